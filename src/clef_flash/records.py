@@ -1,0 +1,208 @@
+"""Record rendering: a request -> token ids and spans, token for token as the reference (SPEC §3).
+
+Pure host code. The reference tokenizes each piece of the prompt with its own tokenizer call;
+since pieces are tokenized independently, the same ids come from tokenizing every variable piece
+in one batched call and reusing cached ids for the fixed pieces. `tests/test_records.py` proves
+the two equal on the named edge cases and on generated requests.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Mapping
+
+from .errors import RecordTooLong, RequestInvalid
+from .tokenizer import Tokenizer
+
+SYSTEM_PROMPT = (
+    "Read the complete state and schema. Decide every field jointly. Each answer "
+    "must be exactly one of that field's allowed options."
+)
+PREFIX = f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\nSTATE:\n"
+SCHEMA_HEADER = "\n\nSCHEMA FIELDS:\n"
+OPTIONS_HEADER = "\nALLOWED OPTIONS:\n"
+OPTION_END = "\n"
+FIELD_END = "END FIELD\n"
+SUFFIX = "\n<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nJOINT SCHEMA DECISIONS:"
+
+QUESTION_TYPES = {"noul": 0, "choice": 1, "score": 2}
+NOUL_DEFAULTS = {
+    "true": "The proposition is true or the answer is yes.",
+    "false": "The proposition is false or the answer is no.",
+}
+DEFAULT_MAX_LENGTH = 65_536
+
+
+def render(value: Any) -> str:
+    """A string as itself; any other JSON value as compact JSON, keys sorted, non-ASCII kept."""
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
+
+
+def field_header(number: int, question_id: str, question_type: str) -> str:
+    return f"\nFIELD {number}\nID: {question_id}\nTYPE: {question_type}\nINSTRUCTION: "
+
+
+def option_label(number: int) -> str:
+    return f"OPTION {number}: "
+
+
+def question_options(question: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """(option id, description) in the model's order: noul true/false, choice keys sorted, score levels."""
+    question_type = question["type"]
+    criteria = question.get("criteria")
+    if question_type == "noul":
+        descriptions = dict(NOUL_DEFAULTS)
+        descriptions.update(criteria or {})
+        return [("true", descriptions["true"]), ("false", descriptions["false"])]
+    if question_type == "choice":
+        return sorted(((str(key), value) for key, value in criteria.items()), key=lambda item: item[0])
+    return [(str(index), value) for index, value in enumerate(criteria)]
+
+
+def instruction_text(question_id: str, question: Mapping[str, Any]) -> str:
+    instructions = question.get("instructions")
+    if instructions is None or instructions == "":
+        instructions = str(question_id)
+    return render(instructions)
+
+
+def option_text(option_id: str, description: Any) -> str:
+    semantics: dict[str, Any] = {"option_id": option_id}
+    if description is not None:
+        semantics["description"] = description
+    return render(semantics)
+
+
+@dataclass(frozen=True)
+class EncodedQuestion:
+    question_id: str
+    question_type: int  # noul 0, choice 1, score 2
+    question_span: tuple[int, int]  # [start, end) in the record's input_ids
+    option_spans: tuple[tuple[int, int], ...]
+    option_ids: tuple[str, ...]  # in the model's order (choice: sorted keys)
+
+
+@dataclass(frozen=True)
+class EncodedRecord:
+    input_ids: tuple[int, ...]
+    questions: tuple[EncodedQuestion, ...]
+    prefix_tokens: int
+    state_tokens: int  # after any explicit truncation
+    schema_tokens: int
+    suffix_tokens: int
+    state_tokens_dropped: int = 0  # > 0 only with truncate_state=True
+
+    @property
+    def token_count(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def state_span(self) -> tuple[int, int]:
+        return (self.prefix_tokens, self.prefix_tokens + self.state_tokens)
+
+
+@lru_cache(maxsize=8)
+def _fixed_pieces(tokenizer: Tokenizer) -> dict[str, tuple[int, ...]]:
+    pieces = [PREFIX, SCHEMA_HEADER, OPTIONS_HEADER, OPTION_END, FIELD_END, SUFFIX]
+    return {text: tuple(ids) for text, ids in zip(pieces, tokenizer.encode_batch(pieces))}
+
+
+@lru_cache(maxsize=4096)
+def _option_label_ids(tokenizer: Tokenizer, number: int) -> tuple[int, ...]:
+    return tuple(tokenizer.encode(option_label(number)))
+
+
+def _as_record(request: Any) -> Mapping[str, Any]:
+    if hasattr(request, "to_record"):
+        return request.to_record()
+    if not isinstance(request, Mapping) or "state" not in request or not request.get("questions"):
+        raise RequestInvalid(
+            [{"type": "invalid_record", "loc": ["body"], "msg": "a record needs a state and at least one question"}]
+        )
+    return request
+
+
+def encode_record(
+    tokenizer: Tokenizer,
+    request: Any,
+    *,
+    max_length: int = DEFAULT_MAX_LENGTH,
+    truncate_state: bool = False,
+) -> EncodedRecord:
+    """Render and tokenize one record (a validated request, or a plain dict in its shape).
+
+    Over `max_length` tokens the record is refused with `RecordTooLong` (token count, fixed part,
+    limit), unless `truncate_state=True`, which cuts the state's tail exactly as the reference does.
+    """
+    record = _as_record(request)
+    fixed = _fixed_pieces(tokenizer)
+
+    # Every variable piece, in rendering order, tokenized in one call.
+    texts = [render(record["state"])]
+    layout: list[tuple[str, Mapping[str, Any], list[str]]] = []
+    for number, (question_id, question) in enumerate(record["questions"].items(), start=1):
+        question_id = str(question_id)
+        options = question_options(question)
+        texts.append(field_header(number, question_id, question["type"]))
+        texts.append(instruction_text(question_id, question))
+        texts.extend(option_text(option_id, description) for option_id, description in options)
+        layout.append((question_id, question, [option_id for option_id, _ in options]))
+    pieces = tokenizer.encode_batch(texts)
+
+    state_ids = pieces[0]
+    schema_ids: list[int] = list(fixed[SCHEMA_HEADER])
+    spans: list[tuple[str, int, tuple[int, int], list[tuple[int, int]], list[str]]] = []
+    cursor = 1
+    for question_id, question, option_ids in layout:
+        schema_ids.extend(pieces[cursor])
+        question_start = len(schema_ids)
+        schema_ids.extend(pieces[cursor + 1])
+        question_span = (question_start, len(schema_ids))
+        schema_ids.extend(fixed[OPTIONS_HEADER])
+        option_spans = []
+        for number in range(1, len(option_ids) + 1):
+            schema_ids.extend(_option_label_ids(tokenizer, number))
+            option_start = len(schema_ids)
+            schema_ids.extend(pieces[cursor + 1 + number])
+            option_spans.append((option_start, len(schema_ids)))
+            schema_ids.extend(fixed[OPTION_END])
+        schema_ids.extend(fixed[FIELD_END])
+        cursor += 2 + len(option_ids)
+        spans.append((question_id, QUESTION_TYPES[question["type"]], question_span, option_spans, option_ids))
+
+    prefix_ids, suffix_ids = fixed[PREFIX], fixed[SUFFIX]
+    fixed_tokens = len(prefix_ids) + len(schema_ids) + len(suffix_ids)
+    token_count = fixed_tokens + len(state_ids)
+    dropped = 0
+    if token_count > max_length:
+        if not truncate_state or fixed_tokens > max_length:
+            raise RecordTooLong(
+                token_count=token_count, fixed_tokens=fixed_tokens, state_tokens=len(state_ids), limit=max_length
+            )
+        dropped = token_count - max_length
+        state_ids = state_ids[: max_length - fixed_tokens]
+
+    offset = len(prefix_ids) + len(state_ids)
+    questions = tuple(
+        EncodedQuestion(
+            question_id=question_id,
+            question_type=question_type,
+            question_span=(question_span[0] + offset, question_span[1] + offset),
+            option_spans=tuple((start + offset, end + offset) for start, end in option_spans),
+            option_ids=tuple(option_ids),
+        )
+        for question_id, question_type, question_span, option_spans, option_ids in spans
+    )
+    return EncodedRecord(
+        input_ids=(*prefix_ids, *state_ids, *schema_ids, *suffix_ids),
+        questions=questions,
+        prefix_tokens=len(prefix_ids),
+        state_tokens=len(state_ids),
+        schema_tokens=len(schema_ids),
+        suffix_tokens=len(suffix_ids),
+        state_tokens_dropped=dropped,
+    )
