@@ -1,0 +1,500 @@
+"""The joint schema head (SPEC §5), batched: every option of every question of every record in one pass.
+
+The parameter names and shapes are those of Cloudflare's reference ``JointSchemaHead``, so
+``joint_head.safetensors`` loads strictly; the math is written here with masks and gathers
+instead of the reference's Python loops over records, questions and options.
+
+Flat layout of a batch (built once on the host by :func:`build_head_batch`):
+    records     b in [0, B)
+    questions   i in [0, Nq), record-major (the questions of a record are contiguous)
+    options     j in [0, No), question-major (the options of a question are contiguous)
+    spans       s in [0, Nq + No): the question spans first, then the option spans
+The head returns one logit per option, flat ``[No]``; :func:`split_logits` cuts it per record
+and question, :func:`softmax_per_question` turns it into probabilities.
+
+Everything is computed in float32 (the head is small next to the decoder).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+QUESTION_TYPE_COUNT = 3  # noul 0, choice 1, score 2
+LOG_MAX_LOGIT_SCALE = math.log(100.0)  # the scales are exp(min(s, ln 100)), i.e. min(exp(s), 100)
+
+# `lm_head.weight` [V, D], or a function gathering its rows for a LongTensor of ids (e.g. from a
+# memory-mapped 8-bit table): rows(ids [U]) -> [U, D].
+OutputEmbedding = Union[Tensor, Callable[[Tensor], Tensor]]
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    """``joint_head_config.json`` (clef-flash: 4096, 1024, 2, 4, 16, 4096)."""
+
+    hidden_size: int
+    width: int
+    routing_layers: int
+    layers: int
+    heads: int
+    feedforward: int
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> HeadConfig:
+        """Keep the keys this head knows (the release may carry others, e.g. ``dropout``)."""
+        names = [field.name for field in fields(cls)]
+        missing = [name for name in names if name not in values]
+        if missing:
+            raise ValueError(f"joint head config lacks {', '.join(missing)} (has {sorted(values)})")
+        config = cls(**{name: int(values[name]) for name in names})
+        if config.width % config.heads:
+            raise ValueError(f"joint head width {config.width} is not a multiple of heads {config.heads}")
+        return config
+
+
+# --------------------------------------------------------------------------------------------
+# The index tensors of a batch
+
+
+@dataclass(frozen=True)
+class HeadBatch:
+    """Index tensors that place every question and option of a batch of records (see module doc).
+
+    Host-side sizes are plain ints so that padding and splitting never read the device.
+    """
+
+    num_records: int  # B
+    questions_per_record: tuple[int, ...]  # [B]
+    options_per_question: tuple[int, ...]  # [Nq]
+    max_questions: int  # max questions in one record
+    max_record_options: int  # max options in one record
+    max_question_options: int  # max options in one question
+
+    # One row per token of every span (P = total span length): where to read Hn, which span it sums into.
+    span_token_record: Tensor  # [P] long
+    span_token_position: Tensor  # [P] long, position inside its record
+    span_token_span: Tensor  # [P] long, span index s
+    span_lengths: Tensor  # [Nq + No] float32, tokens per span
+
+    question_record: Tensor  # [Nq] long
+    question_slot: Tensor  # [Nq] long, index of the question inside its record
+    question_type: Tensor  # [Nq] long
+    question_mask: Tensor  # [B, max_questions] bool, real questions
+
+    option_question: Tensor  # [No] long, owning question i
+    option_record: Tensor  # [No] long
+    option_record_slot: Tensor  # [No] long, index of the option inside its record
+    option_question_slot: Tensor  # [No] long, index of the option inside its question
+
+    # Lexical means x_j: the unique token ids of all option spans, and for each option token
+    # (Po = total option span length) its row among them and its option.
+    vocab_ids: Tensor  # [U] long, sorted; kept on the CPU, since the table may live in host memory
+    option_token_row: Tensor  # [Po] long, index into vocab_ids
+    option_token_option: Tensor  # [Po] long, option j
+
+    @property
+    def num_questions(self) -> int:
+        return len(self.options_per_question)
+
+    @property
+    def num_options(self) -> int:
+        return int(sum(self.options_per_question))
+
+
+def build_head_batch(records: Sequence[Any], device: torch.device | str | None = None) -> HeadBatch:
+    """Index a batch of encoded records for :class:`JointHead` (host work, once per batch).
+
+    A record has ``.input_ids`` (sequence of int) and ``.questions``, each with
+    ``.question_type`` (0 noul, 1 choice, 2 score), ``.question_span`` and ``.option_spans``
+    (half-open ``(start, end)`` token positions in the record).
+    """
+    if not records:
+        raise ValueError("build_head_batch needs at least one record")
+    question_record: list[int] = []
+    question_slot: list[int] = []
+    question_type: list[int] = []
+    question_starts: list[int] = []
+    question_ends: list[int] = []
+    option_question: list[int] = []
+    option_record: list[int] = []
+    option_record_slot: list[int] = []
+    option_question_slot: list[int] = []
+    option_starts: list[int] = []
+    option_ends: list[int] = []
+    option_token_ids: list[int] = []
+    questions_per_record: list[int] = []
+    options_per_question: list[int] = []
+    max_record_options = 0
+
+    for record_index, record in enumerate(records):
+        input_ids = record.input_ids
+        length = len(input_ids)
+        questions = tuple(record.questions)
+        if not questions:
+            raise ValueError(f"record {record_index} has no questions")
+        questions_per_record.append(len(questions))
+        record_options = 0
+        for slot, question in enumerate(questions):
+            where = f"record {record_index} question {slot}"
+            kind = int(question.question_type)
+            if not 0 <= kind < QUESTION_TYPE_COUNT:
+                raise ValueError(f"{where}: question_type {kind} is not 0, 1 or 2")
+            start, end = _checked_span(question.question_span, length, f"{where} question_span")
+            question_index = len(question_record)
+            question_record.append(record_index)
+            question_slot.append(slot)
+            question_type.append(kind)
+            question_starts.append(start)
+            question_ends.append(end)
+            spans = tuple(question.option_spans)
+            if not spans:
+                raise ValueError(f"{where} has no options")
+            options_per_question.append(len(spans))
+            for option_slot, span in enumerate(spans):
+                start, end = _checked_span(span, length, f"{where} option {option_slot}")
+                option_question.append(question_index)
+                option_record.append(record_index)
+                option_record_slot.append(record_options)
+                option_question_slot.append(option_slot)
+                option_starts.append(start)
+                option_ends.append(end)
+                option_token_ids.extend(input_ids[start:end])
+                record_options += 1
+        max_record_options = max(max_record_options, record_options)
+
+    long = dict(dtype=torch.long)
+    span_record = torch.tensor(question_record + option_record, **long)  # [S]
+    starts = torch.tensor(question_starts + option_starts, **long)  # [S]
+    lengths = torch.tensor(question_ends + option_ends, **long) - starts  # [S]
+    span_count = len(starts)
+    token_span = torch.repeat_interleave(torch.arange(span_count), lengths)  # [P]
+    first_token = torch.cumsum(lengths, 0) - lengths  # [S], where each span's tokens begin in P
+    token_position = torch.arange(len(token_span)) - first_token[token_span] + starts[token_span]  # [P]
+    question_token_count = int(lengths[: len(question_record)].sum())
+    option_token_option = token_span[question_token_count:] - len(question_record)  # [Po]
+    vocab_ids, option_token_row = torch.unique(
+        torch.tensor(option_token_ids, **long), sorted=True, return_inverse=True
+    )  # [U], [Po]
+
+    counts = torch.tensor(questions_per_record, **long)  # [B]
+    max_questions = max(questions_per_record)
+    question_mask = torch.arange(max_questions)[None, :] < counts[:, None]  # [B, max_questions]
+
+    def put(tensor: Tensor) -> Tensor:
+        return tensor.to(device) if device is not None else tensor
+
+    return HeadBatch(
+        num_records=len(records),
+        questions_per_record=tuple(questions_per_record),
+        options_per_question=tuple(options_per_question),
+        max_questions=max_questions,
+        max_record_options=max_record_options,
+        max_question_options=max(options_per_question),
+        span_token_record=put(span_record[token_span]),
+        span_token_position=put(token_position),
+        span_token_span=put(token_span),
+        span_lengths=put(lengths.to(torch.float32)),
+        question_record=put(torch.tensor(question_record, **long)),
+        question_slot=put(torch.tensor(question_slot, **long)),
+        question_type=put(torch.tensor(question_type, **long)),
+        question_mask=put(question_mask),
+        option_question=put(torch.tensor(option_question, **long)),
+        option_record=put(torch.tensor(option_record, **long)),
+        option_record_slot=put(torch.tensor(option_record_slot, **long)),
+        option_question_slot=put(torch.tensor(option_question_slot, **long)),
+        vocab_ids=vocab_ids,
+        option_token_row=put(option_token_row),
+        option_token_option=put(option_token_option),
+    )
+
+
+def _checked_span(span: Sequence[int], length: int, where: str) -> tuple[int, int]:
+    start, end = (int(value) for value in span)
+    if not 0 <= start < end <= length:
+        raise ValueError(f"{where} {(start, end)} is not a non-empty span inside the record's {length} tokens")
+    return start, end
+
+
+# --------------------------------------------------------------------------------------------
+# Segment helpers
+
+
+def _segment_softmax(values: Tensor, batch: HeadBatch) -> Tensor:
+    """Softmax over the options of each question: [No] -> [No], via a -inf padded [Nq, K] grid."""
+    grid = values.new_full((batch.num_questions, batch.max_question_options), float("-inf"))
+    grid[batch.option_question, batch.option_question_slot] = values  # [Nq, K]
+    return grid.softmax(dim=-1)[batch.option_question, batch.option_question_slot]  # [No]
+
+
+def split_logits(logits: Tensor, batch: HeadBatch) -> list[list[Tensor]]:
+    """Flat per-option values [No] -> per record, per question (views, no copies)."""
+    per_question = torch.split(logits, batch.options_per_question)
+    result: list[list[Tensor]] = []
+    first = 0
+    for count in batch.questions_per_record:
+        result.append(list(per_question[first : first + count]))
+        first += count
+    return result
+
+
+def softmax_per_question(logits: Tensor, batch: HeadBatch) -> Tensor:
+    """Probabilities: a float32 softmax over each question's options, flat [No]."""
+    return _segment_softmax(logits.float(), batch)
+
+
+# --------------------------------------------------------------------------------------------
+# Parameter containers (names as in torch.nn.MultiheadAttention / TransformerDecoderLayer / the
+# reference's Sequential indices); the math is in the forward methods below.
+
+
+class _Attention(nn.Module):
+    """Multi-head attention with torch.nn.MultiheadAttention's packed, biased projections."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.in_proj_weight = nn.Parameter(torch.empty(3 * width, width))
+        self.in_proj_bias = nn.Parameter(torch.zeros(3 * width))
+        self.out_proj = nn.Linear(width, width)
+        nn.init.xavier_uniform_(self.in_proj_weight)
+
+    def _heads(self, x: Tensor) -> Tensor:
+        return x.unflatten(-1, (self.heads, -1)).transpose(1, 2)  # [B, L, w] -> [B, h, L, w/h]
+
+    def keys_values(self, memory: Tensor) -> tuple[Tensor, Tensor]:
+        """[B, T, w] -> keys, values [B, h, T, w/h]."""
+        width = memory.shape[-1]
+        keys, values = F.linear(memory, self.in_proj_weight[width:], self.in_proj_bias[width:]).chunk(2, dim=-1)
+        return self._heads(keys), self._heads(values)
+
+    def attend(self, queries: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
+        """queries [B, L, w]; keys, values [B, h, T, w/h]; mask [B, 1, 1, T] bool (True: attend)."""
+        width = queries.shape[-1]
+        q = self._heads(F.linear(queries, self.in_proj_weight[:width], self.in_proj_bias[:width]))
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # [B, h, L, w/h]
+        return self.out_proj(out.transpose(1, 2).flatten(2))  # [B, L, w]
+
+    def self_attend(self, x: Tensor, mask: Tensor) -> Tensor:
+        """x [B, L, w]; mask [B, 1, 1, L] bool."""
+        q, k, v = (self._heads(part) for part in F.linear(x, self.in_proj_weight, self.in_proj_bias).chunk(3, -1))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, h, L, w/h]
+        return self.out_proj(out.transpose(1, 2).flatten(2))  # [B, L, w]
+
+
+class _GeluMlp(nn.Module):
+    """Linear, exact GELU, Linear; the linears sit at the reference Sequential's indices 0 and 3."""
+
+    def __init__(self, width: int, hidden: int, out: int) -> None:
+        super().__init__()
+        self.add_module("0", nn.Linear(width, hidden))
+        self.add_module("3", nn.Linear(hidden, out))
+
+    @property
+    def first(self) -> nn.Linear:
+        return self._modules["0"]  # type: ignore[return-value]
+
+    @property
+    def second(self) -> nn.Linear:
+        return self._modules["3"]  # type: ignore[return-value]
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.second(F.gelu(self.first(x)))
+
+
+class _EvidenceLayer(nn.Module):
+    """SPEC §5 step 4: options attend to their record's memory (not to each other), then an MLP."""
+
+    def __init__(self, width: int, heads: int, feedforward: int) -> None:
+        super().__init__()
+        self.query_norm = nn.LayerNorm(width)
+        self.memory_norm = nn.LayerNorm(width)
+        self.attention = _Attention(width, heads)
+        self.feedforward_norm = nn.LayerNorm(width)
+        self.feedforward = _GeluMlp(width, feedforward, width)
+
+    def forward(self, options: Tensor, memory: Tensor, memory_mask: Tensor) -> Tensor:
+        """options [B, O, w]; memory [B, T, w]; memory_mask [B, 1, 1, T] -> [B, O, w]."""
+        keys, values = self.attention.keys_values(self.memory_norm(memory))
+        options = options + self.attention.attend(self.query_norm(options), keys, values, memory_mask)
+        return options + self.feedforward(self.feedforward_norm(options))
+
+
+class _FieldLayer(nn.Module):
+    """A norm_first TransformerDecoderLayer (GELU, no dropout) over the questions of each record."""
+
+    def __init__(self, width: int, heads: int, feedforward: int) -> None:
+        super().__init__()
+        self.self_attn = _Attention(width, heads)
+        self.multihead_attn = _Attention(width, heads)
+        self.linear1 = nn.Linear(width, feedforward)
+        self.linear2 = nn.Linear(feedforward, width)
+        self.norm1 = nn.LayerNorm(width)
+        self.norm2 = nn.LayerNorm(width)
+        self.norm3 = nn.LayerNorm(width)
+
+    def forward(self, fields: Tensor, question_mask: Tensor, memory: Tensor, memory_mask: Tensor) -> Tensor:
+        """fields [B, Q, w]; question_mask [B, 1, 1, Q]; memory [B, T, w]; memory_mask [B, 1, 1, T]."""
+        fields = fields + self.self_attn.self_attend(self.norm1(fields), question_mask)
+        keys, values = self.multihead_attn.keys_values(memory)  # the raw memory, not normed
+        fields = fields + self.multihead_attn.attend(self.norm2(fields), keys, values, memory_mask)
+        return fields + self.linear2(F.gelu(self.linear1(self.norm3(fields))))
+
+
+# --------------------------------------------------------------------------------------------
+# The head
+
+
+@dataclass(frozen=True)
+class HeadFeatures:
+    """What the head reads from the decoder's hidden states; span sums add up across segments."""
+
+    memory: Tensor  # [B, T, w], zero past each record's length
+    memory_mask: Tensor  # [B, T] bool, real tokens
+    span_sums: Tensor  # [Nq + No, D], sums of Hn over each span
+    last: Tensor  # [B, D], g = Hn at each record's last token
+
+
+class JointHead(nn.Module):
+    """Cloudflare's joint schema head, batched. State dict: exactly the reference's."""
+
+    def __init__(self, config: HeadConfig) -> None:
+        super().__init__()
+        self.config = config
+        hidden, width = config.hidden_size, config.width
+        self.hidden_norm = nn.LayerNorm(hidden)
+        self.memory_projection = nn.Linear(hidden, width, bias=False)
+        self.question_projection = nn.Linear(hidden, width, bias=False)
+        self.option_question_projection = nn.Linear(hidden, width, bias=False)
+        self.global_projection = nn.Linear(hidden, width, bias=False)
+        self.option_context_projection = nn.Linear(hidden, width, bias=False)
+        self.option_lexical_projection = nn.Linear(hidden, width, bias=False)
+        self.type_embedding = nn.Embedding(QUESTION_TYPE_COUNT, width)
+        self.evidence_layers = nn.ModuleList(
+            _EvidenceLayer(width, config.heads, config.feedforward) for _ in range(config.routing_layers)
+        )
+        self.option_summary_norm = nn.LayerNorm(width)
+        self.layers = nn.ModuleList(
+            _FieldLayer(width, config.heads, config.feedforward) for _ in range(config.layers)
+        )
+        self.field_norm = nn.LayerNorm(width)
+        self.option_norm = nn.LayerNorm(width)
+        self.residual_scorer = _GeluMlp(4 * width, width, 1)
+        self.prior_logit_scale = nn.Parameter(torch.zeros(()))
+        self.joint_logit_scale = nn.Parameter(torch.zeros(()))
+        self.residual_gate = nn.Parameter(torch.zeros(()))
+
+    def forward(
+        self,
+        hidden: Tensor,
+        lengths: Tensor,
+        batch: HeadBatch,
+        output_embedding: OutputEmbedding,
+    ) -> Tensor:
+        """hidden [B, T, D] right-padded final hidden states; lengths [B] -> logits [No] float32."""
+        return self.score(self.features(hidden, lengths, batch), batch, output_embedding)
+
+    def features(self, hidden: Tensor, lengths: Tensor, batch: HeadBatch) -> HeadFeatures:
+        """SPEC §5 step 1 and the span sums of step 2."""
+        hidden = hidden.float()  # [B, T, D]
+        batch_size, tokens, _ = hidden.shape
+        lengths = torch.as_tensor(lengths, device=hidden.device).long()  # [B]
+        normed = self.hidden_norm(hidden)  # Hn [B, T, D]
+        memory_mask = torch.arange(tokens, device=hidden.device)[None, :] < lengths[:, None]  # [B, T]
+        # Zero the padding so that whatever it held (even NaN) cannot leak through masked attention.
+        memory = self.memory_projection(normed).masked_fill(~memory_mask[..., None], 0.0)  # [B, T, w]
+        last = normed[torch.arange(batch_size, device=hidden.device), lengths - 1]  # [B, D]
+        span_tokens = normed[batch.span_token_record, batch.span_token_position]  # [P, D]
+        span_sums = normed.new_zeros(len(batch.span_lengths), normed.shape[-1])
+        span_sums.index_add_(0, batch.span_token_span, span_tokens)  # [Nq + No, D]
+        return HeadFeatures(memory=memory, memory_mask=memory_mask, span_sums=span_sums, last=last)
+
+    def score(self, features: HeadFeatures, batch: HeadBatch, output_embedding: OutputEmbedding) -> Tensor:
+        """SPEC §5 steps 2-8 for every option of the batch -> logits [No] float32."""
+        width = self.config.width
+        batch_size = batch.num_records
+        memory, memory_mask = features.memory, features.memory_mask[:, None, None, :]  # [B, 1, 1, T]
+        num_questions = batch.num_questions
+        span_means = features.span_sums / batch.span_lengths[:, None]  # [Nq + No, D]
+        question_means = span_means[:num_questions]  # q_i [Nq, D]
+        context_means = span_means[num_questions:]  # c_j [No, D]
+        lexical_means = self._lexical_means(output_embedding, batch, span_means.device)  # x_j [No, D]
+        owner = batch.option_question  # [No]
+
+        # 3. option queries
+        routed = (
+            self.option_context_projection(context_means)
+            + self.option_lexical_projection(lexical_means)
+            + self.option_question_projection(question_means)[owner]
+        )  # r [No, w]
+
+        # 4. evidence routing: each record's options, padded, attend to that record's memory
+        option_grid = routed.new_zeros(batch_size, batch.max_record_options, width)
+        option_grid[batch.option_record, batch.option_record_slot] = routed  # [B, O, w]
+        for layer in self.evidence_layers:
+            option_grid = layer(option_grid, memory, memory_mask)
+        routed = option_grid[batch.option_record, batch.option_record_slot]  # [No, w]
+
+        # 5. per-question routing summary
+        base_fields = self.question_projection(question_means)  # b [Nq, w]
+        weights = _segment_softmax((routed * base_fields[owner]).sum(-1) / math.sqrt(width), batch)  # a [No]
+        summaries = routed.new_zeros(num_questions, width).index_add_(0, owner, weights[:, None] * routed)  # s
+
+        # 6. fields
+        fields = (
+            base_fields
+            + self.option_summary_norm(summaries)
+            + self.global_projection(features.last)[batch.question_record]
+            + self.type_embedding(batch.question_type)
+        )  # f [Nq, w]
+
+        # 7. field decoder over each record's questions, padded
+        field_grid = fields.new_zeros(batch_size, batch.max_questions, width)
+        field_grid[batch.question_record, batch.question_slot] = fields  # [B, Q, w]
+        question_mask = batch.question_mask[:, None, None, :]  # [B, 1, 1, Q]
+        for layer in self.layers:
+            field_grid = layer(field_grid, question_mask, memory, memory_mask)
+        fields = self.field_norm(field_grid[batch.question_record, batch.question_slot])  # F [Nq, w]
+
+        # 8. scores
+        anchor = F.normalize(question_means + features.last[batch.question_record], dim=-1)  # [Nq, D]
+        prior = (F.normalize(lexical_means, dim=-1) * anchor[owner]).sum(-1)  # [No]
+        options = self.option_norm(routed)  # o [No, w]
+        option_fields = fields[owner]  # [No, w]
+        cosine = F.cosine_similarity(option_fields, options, dim=-1)  # [No]
+        residual = self._residual(fields, option_fields, options, owner)  # [No]
+        prior_scale = self.prior_logit_scale.clamp(max=LOG_MAX_LOGIT_SCALE).exp()
+        joint_scale = self.joint_logit_scale.clamp(max=LOG_MAX_LOGIT_SCALE).exp()
+        return prior_scale * prior + torch.sigmoid(self.residual_gate) * (joint_scale * cosine + residual)
+
+    def _residual(self, fields: Tensor, option_fields: Tensor, options: Tensor, owner: Tensor) -> Tensor:
+        """residual_scorer([F, o, F*o, |F-o|]) without building the [No, 4w] features: the first
+        linear is split by blocks, and the F block runs once per question instead of per option."""
+        first, second = self.residual_scorer.first, self.residual_scorer.second
+        field_block, option_block, product_block, distance_block = first.weight.chunk(4, dim=1)  # 4 × [w, w]
+        hidden = (
+            F.linear(fields, field_block)[owner]
+            + F.linear(options, option_block)
+            + F.linear(option_fields * options, product_block)
+            + F.linear((option_fields - options).abs(), distance_block)
+            + first.bias
+        )  # [No, w]
+        return second(F.gelu(hidden)).squeeze(-1)  # [No]
+
+    @staticmethod
+    def _lexical_means(output_embedding: OutputEmbedding, batch: HeadBatch, device: torch.device) -> Tensor:
+        """x_j: mean of the raw output-embedding rows of option j's tokens; gathers each id once."""
+        ids = batch.vocab_ids  # [U]
+        if isinstance(output_embedding, Tensor):
+            rows = output_embedding.index_select(0, ids.to(output_embedding.device))
+        else:
+            rows = output_embedding(ids)
+        rows = rows.to(device=device, dtype=torch.float32)  # [U, D]
+        sums = rows.new_zeros(batch.num_options, rows.shape[-1])
+        sums.index_add_(0, batch.option_token_option, rows[batch.option_token_row])  # [No, D]
+        return sums / batch.span_lengths[batch.num_questions :, None]
