@@ -1,0 +1,705 @@
+"""The System One request/response protocol: pydantic models, limits, errors, answer shaping.
+
+A request is validated once, here, into a `SystemOneRequest`; everything after this module
+(rendering, the engine, the server) may assume its shape and limits. Errors come out as a
+`RequestInvalid` whose items are exactly FastAPI's 422 items (`type`, `loc` from `"body"`, `msg`,
+`input`, `ctx`), with locations that name the caller's keys (never pydantic's union tags) and
+messages written for the person who sent the body.
+
+Choices where the public sources disagree (`/work/shared/systemone.md` §7), and why:
+
+- **Top-level unknown fields are ignored.** `typesafe-sdk` (0.7.5) merges any `extra_body` into
+  the body's top level, and gateways add or strip fields (ngrok); the fields we know are enough.
+  The SDK always sends `model` (default `"jev-latest"`), so any model name is accepted and echoed.
+- **Media fields are refused, not ignored.** `images`, `videos` and the SDK's image `assets` give an
+  `images_unsupported` / `videos_unsupported` error when present and non-empty: answering as if
+  the picture were not there would be silently wrong. Absent, `null`, `[]` or `{}` are fine.
+- **`state` is required and may be any JSON value except `null`** (string, object, array, number,
+  boolean; non-strings are rendered as compact JSON). The TypeSafe OpenAPI schema the SDK is
+  generated from allows no `null` and the SDK refuses `None` itself: a null state is a caller bug
+  that would otherwise get confident answers about nothing (`state_null`).
+- **`null` descriptions mean "undescribed".** A choice option or a noul `true` / `false` given as
+  `null` is kept as `None`; the reference then renders that option without a description (the
+  SDK's own example sends `{"calm": None, "angry": None}`). A noul key that is *left out* instead
+  gets the default description (SPEC §3), so `to_record` keeps only the noul keys that were sent.
+- **`instructions` may be missing, `null` or `""`**: the question id is rendered instead (SPEC §3,
+  the SDK and xr-ai allow it). Numbers and booleans are refused there, and in descriptions.
+- **Score levels may not be `null`**: the wire schema's `legend` has no null values.
+- **Ids and labels**: question ids have 1 to 100 characters of any kind (no character set is
+  imposed); option labels are non-empty strings.
+- **Text must be encodable**: lone surrogates (legal as JSON escapes) give `string_unicode`, and
+  NaN / Infinity are refused: either would fail later, in the tokenizer or the JSON response.
+- **Counts have their own messages** ("a choice question needs 2 to 255 options; got 1") under
+  pydantic's types (`too_short`, `too_long`), except over 64 questions: `too_many_questions`, so a
+  client can tell that it should split the request.
+
+For FastAPI: the models give the OpenAPI schema (`SystemOneRequest`, `SystemOneResponse`), but a
+route that lets FastAPI validate the body itself reports pydantic's raw locations; read the body
+and call `parse_request_json` (or `parse_request`) to answer with these errors instead.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    ValidationError,
+    WithJsonSchema,
+)
+from pydantic_core import PydanticCustomError
+
+from .errors import RequestInvalid
+
+__all__ = [
+    "DEFAULT_MODEL_NAME",
+    "MAX_CHOICE_OPTIONS",
+    "MAX_ID_LENGTH",
+    "MAX_QUESTIONS",
+    "MAX_SCORE_LEVELS",
+    "MIN_CHOICE_OPTIONS",
+    "MIN_ID_LENGTH",
+    "MIN_QUESTIONS",
+    "MIN_SCORE_LEVELS",
+    "QUESTION_TYPES",
+    "ChoiceAnswer",
+    "ChoiceQuestion",
+    "NoulAnswer",
+    "NoulCriteria",
+    "NoulQuestion",
+    "ScoreAnswer",
+    "ScoreQuestion",
+    "SystemOneRequest",
+    "SystemOneResponse",
+    "Usage",
+    "parse_request",
+    "parse_request_json",
+    "shape_answer",
+    "shape_response",
+]
+
+# Limits of the hosted clef-flash (SPEC §6).
+MIN_QUESTIONS = 1
+MAX_QUESTIONS = 64
+MIN_ID_LENGTH = 1
+MAX_ID_LENGTH = 100
+MIN_CHOICE_OPTIONS = 2
+MAX_CHOICE_OPTIONS = 255
+MIN_SCORE_LEVELS = 2
+MAX_SCORE_LEVELS = 10
+
+# Question type ids as the joint head's type embedding numbers them (SPEC §3).
+QUESTION_TYPES: dict[str, int] = {"noul": 0, "choice": 1, "score": 2}
+_ALLOWED_TYPES = "'noul', 'choice' or 'score'"
+DEFAULT_MODEL_NAME = "clef-flash"
+"""The `model` of a response to a request that named none."""
+
+
+# --------------------------------------------------------------------------------------------
+# JSON values. Our own validators (no pydantic unions) so that an error is one item at the
+# caller's location, not one per union member under locations like `str` or `dict[str,any]`.
+
+
+def _kind(value: Any) -> str:
+    """A value's JSON type name, for messages ("got number")."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, (list, tuple)):
+        return "array"
+    if isinstance(value, Mapping):
+        return "object"
+    return type(value).__name__
+
+
+def _is_unicode(text: str) -> bool:
+    """False for text with lone surrogates (from JSON escapes): not encodable, so not tokenizable."""
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _json_problem(value: Any) -> tuple[str, str] | None:
+    """(error type, message) for the first part of ``value`` that is not JSON data, or None.
+
+    Iterative, so deep values cannot raise RecursionError. Decoded JSON passes except for lone
+    surrogates; the rest guards Python callers (a set, bytes, int keys, NaN would break
+    rendering or the JSON response later).
+    """
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if not _is_unicode(item):
+                return "string_unicode", "text must be valid Unicode; found a lone surrogate"
+        elif item is None or isinstance(item, (bool, int)):
+            continue
+        elif isinstance(item, float):
+            if not math.isfinite(item):
+                return "json_type", "numbers must be finite; JSON has no NaN or Infinity"
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                if not isinstance(key, str):
+                    return "json_type", f"object keys must be strings; found a Python {type(key).__name__}"
+                stack.append(key)
+                stack.append(child)
+        else:
+            return "json_type", f"expected JSON data; found a Python {type(item).__name__}"
+    return None
+
+
+def _require_json(value: Any) -> None:
+    problem = _json_problem(value)
+    if problem is not None:
+        raise PydanticCustomError(*problem)
+
+
+def _check_text(text: str) -> str:
+    if not _is_unicode(text):
+        raise PydanticCustomError("string_unicode", "text must be valid Unicode; found a lone surrogate")
+    return text
+
+
+def _content_validator(what: str, *, nullable: bool) -> PlainValidator:
+    """A validator for content: a string, an object or an array (rendered as JSON), maybe null."""
+    allowed = "a string, object, array or null" if nullable else "a string, object or array"
+
+    def validate(value: Any) -> Any:
+        if value is None and nullable:
+            return None
+        _require_json(value)
+        if not isinstance(value, (str, list, dict)):
+            raise PydanticCustomError("content_type", f"{what} must be {allowed}; got {_kind(value)}")
+        return value
+
+    return PlainValidator(validate)
+
+
+def _validate_state(value: Any) -> Any:
+    if value is None:
+        raise PydanticCustomError(
+            "state_null",
+            "'state' must not be null: send the content the questions are about (a string, object or array)",
+        )
+    _require_json(value)
+    return value
+
+
+_CONTENT_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "object"}, {"type": "array"}]}
+_NULLABLE_CONTENT_SCHEMA = {"anyOf": [*_CONTENT_SCHEMA["anyOf"], {"type": "null"}]}
+
+State = Annotated[
+    Any,
+    PlainValidator(_validate_state),
+    WithJsonSchema({"anyOf": [*_CONTENT_SCHEMA["anyOf"], {"type": "number"}, {"type": "boolean"}]}),
+]
+Instructions = Annotated[
+    Any, _content_validator("instructions", nullable=True), WithJsonSchema(_NULLABLE_CONTENT_SCHEMA)
+]
+Description = Annotated[
+    Any, _content_validator("an option description", nullable=True), WithJsonSchema(_NULLABLE_CONTENT_SCHEMA)
+]
+Level = Annotated[Any, _content_validator("a score level", nullable=False), WithJsonSchema(_CONTENT_SCHEMA)]
+
+
+def _media_validator(field: str, error_type: str, noun: str) -> Any:
+    """A media field that must be absent or empty: silently ignoring media would answer wrongly."""
+
+    def validate(value: Any) -> None:
+        if value is None or (isinstance(value, (list, dict)) and not value):
+            return None
+        raise PydanticCustomError(error_type, f"{noun} are not supported by this text-only runtime")
+
+    schema = {"description": f"Not supported by this text-only runtime: leave out, null or empty ({field})."}
+    return Annotated[Any, PlainValidator(validate), WithJsonSchema(schema)]
+
+
+# --------------------------------------------------------------------------------------------
+# Ids, labels and counts. Counts are checked *before* the items are validated, so that a body
+# with 10,000 options costs one error, not 10,000 item validations, and the count error comes first.
+# (The schema's min/max counts are documentation only; these validators enforce them.)
+
+
+def _check_question_id(question_id: str) -> str:
+    _check_text(question_id)
+    if not MIN_ID_LENGTH <= len(question_id) <= MAX_ID_LENGTH:
+        error_type = "string_too_short" if len(question_id) < MIN_ID_LENGTH else "string_too_long"
+        raise PydanticCustomError(
+            error_type,
+            "a question id must have {min_length} to {max_length} characters; got {actual_length}",
+            {"min_length": MIN_ID_LENGTH, "max_length": MAX_ID_LENGTH, "actual_length": len(question_id)},
+        )
+    return question_id
+
+
+def _check_label(label: str) -> str:
+    _check_text(label)
+    if not label:
+        raise PydanticCustomError("string_too_short", "an option label must not be empty", {"min_length": 1})
+    return label
+
+
+def _count_validator(
+    shape: str, what: str, needs: str, unit: str, low: int, high: int, *, too_many: str = "too_long"
+) -> BeforeValidator:
+    """Checks the container's JSON type (``shape``: "object" or "array") and its size.
+
+    Messages read "{what}; got array" and "{needs} 2 to 255 {unit}; got 1".
+    """
+    kinds: tuple[type, ...] = (Mapping,) if shape == "object" else (list, tuple)
+    wrong_type = "dict_type" if shape == "object" else "list_type"
+
+    def validate(value: Any) -> Any:
+        if not isinstance(value, kinds):
+            raise PydanticCustomError(wrong_type, f"{what}; got {_kind(value)}")
+        count = len(value)
+        if not low <= count <= high:
+            raise PydanticCustomError(
+                "too_short" if count < low else too_many,
+                f"{needs} {low} to {high} {unit}; got {count}",
+                {"min_length": low, "max_length": high, "actual_length": count},
+            )
+        return value
+
+    return BeforeValidator(validate)
+
+
+QuestionId = Annotated[str, AfterValidator(_check_question_id)]
+OptionLabel = Annotated[str, AfterValidator(_check_label)]
+
+
+# --------------------------------------------------------------------------------------------
+# Models.
+
+
+class _Question(BaseModel):
+    """Fields shared by every question. Unknown fields are refused: a typo must not vanish."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    instructions: Instructions | None = Field(
+        default=None, description='What to decide. Missing, null or "": the question id is used instead.'
+    )
+
+
+class NoulCriteria(BaseModel):
+    """Descriptions of the yes and no outcomes; a key left out keeps the default description."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    true: Description | None = Field(default=None, description="What counts as yes; null: undescribed.")
+    false: Description | None = Field(default=None, description="What counts as no; null: undescribed.")
+
+
+def _noul_criteria(value: Any) -> Any:
+    if value is not None and not isinstance(value, Mapping):
+        raise PydanticCustomError(
+            "dict_type", f"noul criteria must be an object with the keys 'true' and/or 'false'; got {_kind(value)}"
+        )
+    return value
+
+
+class NoulQuestion(_Question):
+    """A yes/no question: the answer is P(true)."""
+
+    type: Literal["noul"]
+    criteria: Annotated[NoulCriteria | None, BeforeValidator(_noul_criteria)] = Field(
+        default=None, description="Optional descriptions of the outcomes; null or {}: the defaults."
+    )
+
+
+class ChoiceQuestion(_Question):
+    """One label out of 2 to 255; the labels keep the request's order in the answer."""
+
+    type: Literal["choice"]
+    criteria: Annotated[
+        dict[OptionLabel, Description | None],
+        _count_validator(
+            "object",
+            "choice criteria must be an object mapping each option label to its description",
+            "a choice question needs",
+            "options",
+            MIN_CHOICE_OPTIONS,
+            MAX_CHOICE_OPTIONS,
+        ),
+        Field(json_schema_extra={"minProperties": MIN_CHOICE_OPTIONS, "maxProperties": MAX_CHOICE_OPTIONS}),
+    ]
+
+
+class ScoreQuestion(_Question):
+    """An ordered rubric of 2 to 10 levels, lowest first; level k is option "k"."""
+
+    type: Literal["score"]
+    criteria: Annotated[
+        list[Level],
+        _count_validator(
+            "array",
+            "score criteria must be an array of level descriptions, lowest first",
+            "a score question needs",
+            "levels",
+            MIN_SCORE_LEVELS,
+            MAX_SCORE_LEVELS,
+        ),
+        Field(json_schema_extra={"minItems": MIN_SCORE_LEVELS, "maxItems": MAX_SCORE_LEVELS}),
+    ]
+
+
+Question = Annotated[NoulQuestion | ChoiceQuestion | ScoreQuestion, Field(discriminator="type")]
+
+
+class SystemOneRequest(BaseModel):
+    """The body of `POST /v1/systemone`. Build it with `parse_request` for clean errors."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    model: Annotated[str, AfterValidator(_check_text)] | None = Field(
+        default=None, description="Any model name; echoed in the response."
+    )
+    state: State = Field(description="The content every question is about.")
+    questions: Annotated[
+        dict[QuestionId, Question],
+        _count_validator(
+            "object",
+            "'questions' must be an object mapping question ids to questions",
+            "a request needs",
+            "questions",
+            MIN_QUESTIONS,
+            MAX_QUESTIONS,
+            too_many="too_many_questions",  # its own type: clients split into requests of 64
+        ),
+        Field(json_schema_extra={"minProperties": MIN_QUESTIONS, "maxProperties": MAX_QUESTIONS}),
+    ] = Field(description="Questions keyed by caller-chosen ids; answers come back in this order.")
+    images: _media_validator("images", "images_unsupported", "images") = None
+    videos: _media_validator("videos", "videos_unsupported", "videos") = None
+    assets: _media_validator("assets", "images_unsupported", "image assets") = None
+
+    def to_record(self) -> dict[str, Any]:
+        """The normalized record the encoder renders, as the reference `encode_record` reads it.
+
+        `{"state", "questions": {id: {"type", "instructions", "criteria"}}}` in request order,
+        plain dicts and lists. Missing `instructions` are None. Noul `criteria` is None when not
+        sent, else a dict of only the keys sent (a key's None means "undescribed"). Values are
+        shared with the request, not copied: treat the record as read-only.
+        """
+        questions: dict[str, dict[str, Any]] = {}
+        for question_id, question in self.questions.items():
+            criteria: Any = question.criteria
+            if isinstance(criteria, NoulCriteria):
+                criteria = {
+                    key: getattr(criteria, key) for key in ("true", "false") if key in criteria.model_fields_set
+                }
+            questions[question_id] = {
+                "type": question.type,
+                "instructions": question.instructions,
+                "criteria": criteria,
+            }
+        return {"state": self.state, "questions": questions}
+
+
+class NoulAnswer(BaseModel):
+    type: Literal["noul"]
+    noul: float = Field(description="P(true), from 0 to 1.")
+
+
+class ChoiceAnswer(BaseModel):
+    type: Literal["choice"]
+    choice: str = Field(description="The most probable label; ties go to the first in criteria order.")
+    confidence: float = Field(description="The probability of `choice`.")
+    probabilities: dict[str, float] = Field(description="Every label's probability, in criteria order.")
+
+
+class ScoreAnswer(BaseModel):
+    type: Literal["score"]
+    score: float = Field(description="The expected level, sum of k * p_k.")
+    confidence: float = Field(description="The largest level probability.")
+    legend: dict[str, Any] = Field(description='The criteria keyed by level, "0".."n-1".')
+    probabilities: dict[str, float] = Field(description='Level probabilities keyed "0".."n-1".')
+
+
+Answer = Annotated[NoulAnswer | ChoiceAnswer | ScoreAnswer, Field(discriminator="type")]
+
+
+class Usage(BaseModel):
+    input_tokens: int
+    output_tokens: int = 0
+
+
+class SystemOneResponse(BaseModel):
+    """The response body (SPEC §6); `shape_response` builds it as a plain dict."""
+
+    model: str
+    answers: dict[str, Answer]
+    usage: Usage
+
+
+# --------------------------------------------------------------------------------------------
+# Parsing and error translation.
+
+
+def parse_request(body: Any) -> SystemOneRequest:
+    """Validate a decoded JSON body (any Python value) into a `SystemOneRequest`.
+
+    Raises `RequestInvalid` with one FastAPI-style item per problem; never anything else.
+    """
+    if isinstance(body, SystemOneRequest):
+        return body
+    try:
+        return SystemOneRequest.model_validate(body)
+    except ValidationError as error:
+        raise RequestInvalid([_translate(item) for item in error.errors(include_url=False)]) from None
+
+
+def parse_request_json(raw: bytes | str) -> SystemOneRequest:
+    """Decode and validate a raw body. An undecodable one gives FastAPI's `json_invalid` item
+    (`loc` `["body", position]`); an empty one `missing` at `["body"]`, as FastAPI reports it.
+
+    Stricter than `json.loads` in one way: NaN and Infinity are refused (they are not JSON, and
+    the response could not carry them back in an error).
+    """
+    if not (raw.strip() if isinstance(raw, str) else bytes(raw).strip()):
+        raise RequestInvalid(
+            [
+                {
+                    "type": "missing",
+                    "loc": ["body"],
+                    "msg": "the request body is empty; send a JSON object with 'state' and 'questions'",
+                    "input": None,
+                }
+            ]
+        )
+    try:
+        body = json.loads(raw, parse_constant=_refuse_constant)
+    except json.JSONDecodeError as error:
+        message = f"the body is not valid JSON: {error.msg} (line {error.lineno}, column {error.colno})"
+        raise RequestInvalid([_json_invalid(error.pos, message, error.msg)]) from None
+    except UnicodeDecodeError as error:
+        raise RequestInvalid([_json_invalid(error.start, "the body is not valid UTF-8 text", error.reason)]) from None
+    except RecursionError:
+        raise RequestInvalid(
+            [_json_invalid(0, "the body is nested too deeply to decode", "nested too deeply")]
+        ) from None
+    except _ConstantRefused as error:
+        message = f"the body is not valid JSON: {error.args[0]} is not a JSON number"
+        raise RequestInvalid([_json_invalid(0, message, f"{error.args[0]} is not JSON")]) from None
+    return parse_request(body)
+
+
+class _ConstantRefused(Exception):
+    pass
+
+
+def _refuse_constant(name: str) -> Any:
+    raise _ConstantRefused(name)
+
+
+def _json_invalid(position: int, message: str, error: str) -> dict[str, Any]:
+    return {"type": "json_invalid", "loc": ["body", position], "msg": message, "input": {}, "ctx": {"error": error}}
+
+
+def _clean_loc(raw: Sequence[str | int]) -> list[str | int]:
+    """Pydantic's location without its schema artifacts, as a path into the caller's body.
+
+    Known shapes: `("questions", id, "[key]")` for an id, `("questions", id, TAG, field, ...)`
+    inside a question (TAG: the discriminator's value), and `(..., "criteria", label, "[key]")`
+    for a choice label. Positional, because a question id or label may itself be "choice".
+    """
+    loc = list(raw)
+    if len(loc) >= 3 and loc[0] == "questions":
+        del loc[2]  # "[key]" of an id error, or the union tag
+        if len(loc) == 5 and loc[2] == "criteria" and loc[4] == "[key]":
+            del loc[4]
+    return loc
+
+
+def _translate(error: Mapping[str, Any]) -> dict[str, Any]:
+    """One pydantic error as a FastAPI item with our location, type and message."""
+    raw_loc = error["loc"]
+    loc = _clean_loc(raw_loc)
+    error_type: str = error["type"]
+    message: str = error["msg"]
+    ctx: dict[str, Any] | None = error.get("ctx")
+    value = error.get("input")
+    in_question = len(loc) >= 2 and loc[0] == "questions"
+    question_type = raw_loc[2] if in_question and len(raw_loc) >= 3 and raw_loc[2] in QUESTION_TYPES else None
+
+    if error_type in ("model_type", "model_attributes_type"):
+        error_type, ctx = "dict_type", None  # "expected an object", whatever pydantic calls it
+        if not loc:
+            message = f"the request body must be a JSON object with 'state' and 'questions'; got {_kind(value)}"
+        elif in_question and len(loc) == 2:
+            message = f"a question must be an object with a 'type' ({_ALLOWED_TYPES}); got {_kind(value)}"
+    elif error_type == "missing":
+        message = _missing_message(loc, question_type)
+    elif error_type == "union_tag_not_found":
+        error_type, loc, ctx = "missing", [*loc, "type"], None
+        message = f"a question needs a 'type': {_ALLOWED_TYPES}"
+    elif error_type == "union_tag_invalid":
+        tag = value.get("type") if isinstance(value, Mapping) else None
+        error_type, loc, value = "literal_error", [*loc, "type"], tag
+        ctx = {"expected": _ALLOWED_TYPES}
+        got = f"'{_short(tag)}'" if isinstance(tag, str) else _kind(tag)
+        message = f"unknown question type {got}; the allowed types are {_ALLOWED_TYPES}"
+        if tag == "box":
+            message += " (box questions need an image, and this runtime is text-only)"
+    elif error_type == "extra_forbidden":
+        if in_question and len(loc) == 4 and loc[2] == "criteria":
+            message = f"noul criteria may only have the keys 'true' and 'false'; got '{_short(loc[3])}'"
+        elif in_question and len(loc) == 3:
+            message = (
+                f"unknown field '{_short(loc[2])}' in a {question_type} question; "
+                "a question has only 'type', 'instructions' and 'criteria'"
+            )
+    elif error_type == "string_unicode":
+        message = "text must be valid Unicode; found a lone surrogate"
+    elif error_type == "string_type":
+        if loc == ["model"]:
+            message = f"'model' must be a string (or left out); got {_kind(value)}"
+        elif raw_loc[-1:] == ("[key]",):
+            message = f"ids and labels must be strings; got {_kind(value)}"
+
+    safe_loc = [_short(part, limit=10**6) if isinstance(part, str) else part for part in loc]
+    item: dict[str, Any] = {"type": error_type, "loc": ["body", *safe_loc], "msg": message, "input": _jsonable(value)}
+    if ctx:
+        item["ctx"] = {key: _jsonable(entry) for key, entry in ctx.items()}
+    return item
+
+
+def _missing_message(loc: list[str | int], question_type: str | None) -> str:
+    if loc == ["state"]:
+        return "the request needs a 'state': the content the questions are about"
+    if loc == ["questions"]:
+        return "the request needs 'questions': an object mapping question ids to questions"
+    if loc[-1:] == ["criteria"] and question_type == "choice":
+        return (
+            f"a choice question needs 'criteria': an object mapping each option label to its description "
+            f"({MIN_CHOICE_OPTIONS} to {MAX_CHOICE_OPTIONS} options)"
+        )
+    if loc[-1:] == ["criteria"] and question_type == "score":
+        return (
+            f"a score question needs 'criteria': an array of {MIN_SCORE_LEVELS} to {MAX_SCORE_LEVELS} "
+            "level descriptions, lowest first"
+        )
+    return f"'{loc[-1]}' is required" if loc else "a value is required"
+
+
+def _jsonable(value: Any) -> Any:
+    """``value`` when it is JSON data, else its repr: error bodies must always serialise
+    (Starlette's JSONResponse refuses NaN and cannot encode lone surrogates)."""
+    return value if _json_problem(value) is None else repr(value)
+
+
+def _short(text: Any, limit: int = 60) -> str:
+    """Caller text quoted in a message: encodable, and cut so that a message stays a line."""
+    text = str(text).encode("utf-8", "backslashreplace").decode("utf-8")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# --------------------------------------------------------------------------------------------
+# Answers (SPEC §6).
+
+
+def _option_order(question: Mapping[str, Any]) -> list[str]:
+    """A question's option ids in the order the answer lists them (the request's, not sorted)."""
+    question_type = question["type"]
+    if question_type == "noul":
+        return ["true", "false"]
+    if question_type == "choice":
+        return [str(label) for label in question["criteria"]]
+    if question_type == "score":
+        return [str(level) for level in range(len(question["criteria"]))]
+    raise ValueError(f"unknown question type {question_type!r}")
+
+
+def shape_answer(
+    question: Mapping[str, Any],
+    option_ids: Sequence[str],
+    probabilities: Sequence[float],
+    decimals: int | None = 4,
+) -> dict[str, Any]:
+    """One System One answer from a question (`type` + `criteria`) and its option probabilities.
+
+    ``option_ids`` may come in any order (the encoder sorts choice labels); the answer lists options
+    in the request's criteria order. The choice is the argmax of the unrounded probabilities, ties
+    to the first in criteria order; score is sum k * p_k, summed in level order as the reference
+    does so that rounding agrees to the last digit. ``decimals=None`` leaves values unrounded.
+    """
+    if len(option_ids) != len(probabilities):
+        raise ValueError(f"{len(option_ids)} option ids but {len(probabilities)} probabilities")
+    by_option = {str(option): float(p) for option, p in zip(option_ids, probabilities, strict=True)}
+    order = _option_order(question)
+    if len(by_option) != len(option_ids) or set(by_option) != set(order):
+        raise ValueError(f"option ids {sorted(by_option)} do not match the question's options {sorted(order)}")
+
+    def rounded(x: float) -> float:
+        return x if decimals is None else round(x, decimals)
+
+    question_type = question["type"]
+    if question_type == "noul":
+        return {"type": "noul", "noul": rounded(by_option["true"])}
+    if question_type == "choice":
+        choice = order[0]
+        for option in order[1:]:
+            if by_option[option] > by_option[choice]:  # strict: a tie keeps the earlier option
+                choice = option
+        return {
+            "type": "choice",
+            "choice": choice,
+            "confidence": rounded(by_option[choice]),
+            "probabilities": {option: rounded(by_option[option]) for option in order},
+        }
+    expected = 0.0
+    for level, option in enumerate(order):
+        expected += level * by_option[option]
+    return {
+        "type": "score",
+        "score": rounded(expected),
+        "confidence": rounded(max(by_option.values())),
+        "legend": dict(zip(order, question["criteria"], strict=True)),
+        "probabilities": {option: rounded(by_option[option]) for option in order},
+    }
+
+
+def shape_response(
+    request: SystemOneRequest,
+    per_question: Sequence[tuple[Sequence[str], Sequence[float]]],
+    input_tokens: int,
+    decimals: int | None = 4,
+    *,
+    default_model: str = DEFAULT_MODEL_NAME,
+) -> dict[str, Any]:
+    """The response body: one answer per question in request order, plus usage.
+
+    ``per_question[i]`` is ``(option_ids, probabilities)`` of the i-th question in request order.
+    A request without a model name (absent, null or "") is answered as ``default_model``.
+    """
+    if len(per_question) != len(request.questions):
+        raise ValueError(f"{len(per_question)} results for {len(request.questions)} questions")
+    record = request.to_record()["questions"]
+    answers = {
+        question_id: shape_answer(question, option_ids, probabilities, decimals)
+        for (question_id, question), (option_ids, probabilities) in zip(record.items(), per_question, strict=True)
+    }
+    return {
+        "model": request.model or default_model,
+        "answers": answers,
+        "usage": {"input_tokens": int(input_tokens), "output_tokens": 0},
+    }
