@@ -1,0 +1,32 @@
+"""Test support: the real Qwen3.5 vocabulary and random releases in the release layout."""
+
+from .release import (
+    RANDOM_CONFIGS,
+    HeadConfig,
+    RandomConfig,
+    TensorSpec,
+    TextConfig,
+    VisionConfig,
+    head_tensor_table,
+    release_config,
+    tensor_table,
+    tiny_release,
+    write_random_release,
+)
+from .vocab import VOCAB_ROWS, write_tokenizer_files
+
+__all__ = [
+    "RANDOM_CONFIGS",
+    "VOCAB_ROWS",
+    "HeadConfig",
+    "RandomConfig",
+    "TensorSpec",
+    "TextConfig",
+    "VisionConfig",
+    "head_tensor_table",
+    "release_config",
+    "tensor_table",
+    "tiny_release",
+    "write_random_release",
+    "write_tokenizer_files",
+]

@@ -1,0 +1,690 @@
+"""Random Clef releases in the exact layout of `Cloudflare/clef-flash` (SPEC §2), for tests and benchmarks.
+
+No weights can be downloaded, so tests build releases with random weights that look like the real one
+file for file, key for key and shape for shape:
+
+    config.json                      Qwen3_5Config as transformers 5.23.0 writes it (+ "clef_flash_random")
+    model.safetensors                bf16 decoder, lm_head, a small vision tower, mtp.* (ignored by HF)
+      or model-0000k-of-0000N.safetensors + model.safetensors.index.json   (max_shard_bytes)
+    joint_head.safetensors           the joint schema head, fp32, keys of the reference JointSchemaHead
+    joint_head_config.json           hidden_size, width, routing_layers, layers, heads, feedforward
+    tokenizer.json, tokenizer_config.json   the real Qwen3.5 vocabulary (testing/vocab.py)
+    RANDOM_RELEASE.md                says the weights are random
+
+The tensor table (names, shapes, how each tensor is drawn) is derived from the config by
+`tensor_table` / `head_tensor_table`; tests check it against transformers and the reference head.
+Tensors are streamed to disk in chunks, so even the full 9B (~19 GB) is written in bounded memory.
+Every tensor has its own generator, seeded from (seed, tensor name): the contents do not depend on
+sharding or order, and the same seed gives byte-identical files (for one torch version).
+
+Scales keep activations O(1) through any depth: projections that read a normalised input are
+N(0, 1/fan_in); projections that write into the residual stream are further divided by sqrt(2·layers);
+(1+w) RMSNorm offsets are N(0, 0.1); the gated DeltaNet norm is 1 + N(0, 0.1); A_log = log U(1, 16) and
+dt_bias is the inverse softplus of a log-uniform dt in [1e-3, 1e-1] (Mamba's rule), so the linear
+attention decays over tens of tokens instead of forgetting at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import struct
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from .vocab import BUILDER_VERSION as VOCAB_BUILDER_VERSION
+from .vocab import VOCAB_ROWS, write_tokenizer_files
+from .vocab import cache_dir as default_cache_dir
+
+#: Bump when the bytes of a generated release change; cached releases are rebuilt.
+RELEASE_BUILDER_VERSION = "1"
+#: The transformers version whose `save_pretrained` output the files reproduce.
+TRANSFORMERS_LAYOUT_VERSION = "5.23.0"
+
+# Real Qwen3.5 special-token ids (SPEC §2; tests check them against the vocabulary).
+ENDOFTEXT_ID = 248044
+VISION_START_ID = 248053
+VISION_END_ID = 248054
+IMAGE_PAD_ID = 248056
+VIDEO_PAD_ID = 248057
+
+Progress = Callable[[int, int], None]  # (bytes written so far, total bytes)
+
+
+# ---------------------------------------------------------------------------------------------
+# Configs
+
+
+@dataclass(frozen=True)
+class TextConfig:
+    """The decoder part of `config.json` (`text_config`); defaults are the Qwen3.5-9B values."""
+
+    hidden_size: int = 4096
+    intermediate_size: int = 12288
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 4
+    head_dim: int = 256
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_conv_kernel_dim: int = 4
+    full_attention_interval: int = 4
+    vocab_size: int = VOCAB_ROWS
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e7
+    partial_rotary_factor: float = 0.25
+    mrope_section: tuple[int, int, int] = (11, 11, 10)
+    max_position_embeddings: int = 262144
+    mtp_num_hidden_layers: int = 1
+
+    @property
+    def layer_types(self) -> list[str]:
+        """Layer i is full attention iff (i+1) % interval == 0: 3 DeltaNet + 1 attention, repeated."""
+        interval = self.full_attention_interval
+        return [
+            "full_attention" if (index + 1) % interval == 0 else "linear_attention"
+            for index in range(self.num_hidden_layers)
+        ]
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """`vision_config`: a deliberately small tower (the runtime is text-only and ignores it)."""
+
+    depth: int = 1
+    hidden_size: int = 32
+    intermediate_size: int = 64
+    num_heads: int = 2
+    num_position_embeddings: int = 64  # a square: 8 x 8 position grid
+    patch_size: int = 16
+    spatial_merge_size: int = 2
+    temporal_patch_size: int = 2
+    in_channels: int = 3
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    """`joint_head_config.json` without hidden_size (which is the decoder's)."""
+
+    width: int = 1024
+    routing_layers: int = 2
+    layers: int = 4
+    heads: int = 16
+    feedforward: int = 4096
+
+
+@dataclass(frozen=True)
+class RandomConfig:
+    name: str
+    text: TextConfig
+    head: HeadConfig
+    vision: VisionConfig = field(default_factory=VisionConfig)
+
+    def head_config(self) -> dict[str, int]:
+        """The contents of `joint_head_config.json`: the reference `JointSchemaHead(**config)`."""
+        return {
+            "hidden_size": self.text.hidden_size,
+            "width": self.head.width,
+            "routing_layers": self.head.routing_layers,
+            "layers": self.head.layers,
+            "heads": self.head.heads,
+            "feedforward": self.head.feedforward,
+        }
+
+
+#: The 9B sizes with 4 layers (one 3×DeltaNet + attention block).
+_9B_PART_TEXT = TextConfig(num_hidden_layers=4)
+
+RANDOM_CONFIGS: dict[str, RandomConfig] = {
+    # Everything small; the real vocabulary (248,320 embedding rows) is kept in every config.
+    "tiny": RandomConfig(
+        "tiny",
+        TextConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_key_head_dim=16, linear_value_head_dim=16,
+        ),
+        HeadConfig(width=32, routing_layers=2, layers=2, heads=4, feedforward=64),
+    ),
+    # The 9B per-head sizes (head_dim 256, 16/4 attention heads, 16/32 DeltaNet heads of 128) on a
+    # narrow residual stream: exercises the real kernel shapes at a fraction of the cost.
+    "9b-heads": RandomConfig(
+        "9b-heads",
+        replace(_9B_PART_TEXT, hidden_size=256, intermediate_size=512),
+        HeadConfig(width=64, routing_layers=2, layers=2, heads=4, feedforward=128),
+    ),
+    # Full 9B layer sizes, 4 layers (~5.8 GB of bf16), the real head.
+    "9b-part": RandomConfig("9b-part", _9B_PART_TEXT, HeadConfig()),
+    # The full Qwen3.5-9B (qwen35.md §1, ~19 GB of bf16), the real head.
+    "9b": RandomConfig("9b", TextConfig(), HeadConfig()),
+}
+
+
+def resolve_config(config: str | RandomConfig) -> RandomConfig:
+    if isinstance(config, RandomConfig):
+        return config
+    try:
+        return RANDOM_CONFIGS[config]
+    except KeyError:
+        raise ValueError(
+            f"unknown random config {config!r}; choose one of {sorted(RANDOM_CONFIGS)} or pass a RandomConfig"
+        ) from None
+
+
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+def release_config(
+    config: RandomConfig, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16, mtp: bool = True
+) -> dict:
+    """`config.json`: the fields `Qwen3_5ForConditionalGeneration.save_pretrained` writes, plus
+    `clef_flash_random` (so tools can label outputs as random) and `mtp_num_hidden_layers`."""
+    text, vision = config.text, config.vision
+    return {
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "clef_flash_random": {"config": config.name, "seed": seed},
+        "dtype": _DTYPE_NAMES[dtype],
+        "image_token_id": IMAGE_PAD_ID,
+        "model_type": "qwen3_5",
+        "text_config": {
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "bos_token_id": None,
+            "eos_token_id": ENDOFTEXT_ID,
+            "head_dim": text.head_dim,
+            "hidden_act": "silu",
+            "hidden_size": text.hidden_size,
+            "initializer_range": 0.02,
+            "intermediate_size": text.intermediate_size,
+            "layer_types": text.layer_types,
+            "linear_conv_kernel_dim": text.linear_conv_kernel_dim,
+            "linear_key_head_dim": text.linear_key_head_dim,
+            "linear_num_key_heads": text.linear_num_key_heads,
+            "linear_num_value_heads": text.linear_num_value_heads,
+            "linear_value_head_dim": text.linear_value_head_dim,
+            "max_position_embeddings": text.max_position_embeddings,
+            "model_type": "qwen3_5_text",
+            "mtp_num_hidden_layers": text.mtp_num_hidden_layers if mtp else 0,
+            "num_attention_heads": text.num_attention_heads,
+            "num_hidden_layers": text.num_hidden_layers,
+            "num_key_value_heads": text.num_key_value_heads,
+            "pad_token_id": ENDOFTEXT_ID,
+            "rms_norm_eps": text.rms_norm_eps,
+            "rope_parameters": {
+                "mrope_interleaved": True,
+                "mrope_section": list(text.mrope_section),
+                "partial_rotary_factor": text.partial_rotary_factor,
+                "rope_theta": text.rope_theta,
+                "rope_type": "default",
+            },
+            "tie_word_embeddings": False,
+            "use_cache": True,
+            "vocab_size": text.vocab_size,
+        },
+        "tie_word_embeddings": False,
+        "transformers_version": TRANSFORMERS_LAYOUT_VERSION,
+        "video_token_id": VIDEO_PAD_ID,
+        "vision_config": {
+            "depth": vision.depth,
+            "hidden_act": "gelu_pytorch_tanh",
+            "hidden_size": vision.hidden_size,
+            "in_channels": vision.in_channels,
+            "initializer_range": 0.02,
+            "intermediate_size": vision.intermediate_size,
+            "model_type": "qwen3_5_vision",
+            "num_heads": vision.num_heads,
+            "num_position_embeddings": vision.num_position_embeddings,
+            "out_hidden_size": text.hidden_size,  # the merger feeds the decoder
+            "patch_size": vision.patch_size,
+            "rope_parameters": {"rope_theta": 10000.0, "rope_type": "axial"},
+            "spatial_merge_size": vision.spatial_merge_size,
+            "temporal_patch_size": vision.temporal_patch_size,
+        },
+        "vision_end_token_id": VISION_END_ID,
+        "vision_start_token_id": VISION_START_ID,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# The tensor table
+
+
+@dataclass(frozen=True)
+class Init:
+    """How a tensor is drawn. kind: normal(a=mean, b=std), log_uniform (log U(a, b)),
+    dt_bias (inverse softplus of a log-uniform dt in [a, b]) or constant (a)."""
+
+    kind: str
+    a: float = 0.0
+    b: float = 0.0
+
+    @staticmethod
+    def normal(std: float, mean: float = 0.0) -> Init:
+        return Init("normal", mean, std)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    init: Init
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+NORM_OFFSET = Init.normal(0.1)  # (1+w) RMSNorm: w near 0
+UNIT_NORM = Init.normal(0.1, mean=1.0)  # plain-weight norms (LayerNorm, gated RMSNorm): near 1
+BIAS = Init.normal(0.02)
+
+
+def _linear(name: str, out_features: int, in_features: int, gain: float = 1.0) -> TensorSpec:
+    return TensorSpec(name, (out_features, in_features), Init.normal(gain / math.sqrt(in_features)))
+
+
+def _decoder_layer(prefix: str, text: TextConfig, layer_type: str, residual_gain: float) -> list[TensorSpec]:
+    """One decoder layer, keys in the order of transformers' state_dict."""
+    d = text.hidden_size
+    specs: list[TensorSpec] = []
+    if layer_type == "linear_attention":
+        key_dim = text.linear_num_key_heads * text.linear_key_head_dim
+        value_dim = text.linear_num_value_heads * text.linear_value_head_dim
+        conv_dim = 2 * key_dim + value_dim  # [q | k | v] channels
+        heads = text.linear_num_value_heads
+        kernel = text.linear_conv_kernel_dim
+        mixer = f"{prefix}.linear_attn"
+        specs += [
+            TensorSpec(f"{mixer}.dt_bias", (heads,), Init("dt_bias", 1e-3, 1e-1)),
+            TensorSpec(f"{mixer}.A_log", (heads,), Init("log_uniform", 1.0, 16.0)),
+            TensorSpec(f"{mixer}.conv1d.weight", (conv_dim, 1, kernel), Init.normal(1 / math.sqrt(kernel))),
+            TensorSpec(f"{mixer}.norm.weight", (text.linear_value_head_dim,), UNIT_NORM),
+            _linear(f"{mixer}.out_proj.weight", d, value_dim, residual_gain),
+            _linear(f"{mixer}.in_proj_qkv.weight", conv_dim, d),
+            _linear(f"{mixer}.in_proj_z.weight", value_dim, d),
+            _linear(f"{mixer}.in_proj_b.weight", heads, d),
+            _linear(f"{mixer}.in_proj_a.weight", heads, d),
+        ]
+    elif layer_type == "full_attention":
+        q_dim = text.num_attention_heads * text.head_dim
+        kv_dim = text.num_key_value_heads * text.head_dim
+        mixer = f"{prefix}.self_attn"
+        specs += [
+            _linear(f"{mixer}.q_proj.weight", 2 * q_dim, d),  # per head: [query | output gate]
+            _linear(f"{mixer}.k_proj.weight", kv_dim, d),
+            _linear(f"{mixer}.v_proj.weight", kv_dim, d),
+            _linear(f"{mixer}.o_proj.weight", d, q_dim, residual_gain),
+            TensorSpec(f"{mixer}.q_norm.weight", (text.head_dim,), NORM_OFFSET),
+            TensorSpec(f"{mixer}.k_norm.weight", (text.head_dim,), NORM_OFFSET),
+        ]
+    else:
+        raise ValueError(f"unknown layer type {layer_type!r}")
+    specs += [
+        _linear(f"{prefix}.mlp.gate_proj.weight", text.intermediate_size, d),
+        _linear(f"{prefix}.mlp.up_proj.weight", text.intermediate_size, d),
+        _linear(f"{prefix}.mlp.down_proj.weight", d, text.intermediate_size, residual_gain),
+        TensorSpec(f"{prefix}.input_layernorm.weight", (d,), NORM_OFFSET),
+        TensorSpec(f"{prefix}.post_attention_layernorm.weight", (d,), NORM_OFFSET),
+    ]
+    return specs
+
+
+def _vision_tower(vision: VisionConfig, out_hidden_size: int) -> list[TensorSpec]:
+    h = vision.hidden_size
+    patch = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    merged = h * vision.spatial_merge_size**2
+    specs = [
+        TensorSpec(
+            "model.visual.patch_embed.proj.weight",
+            (h, vision.in_channels, vision.temporal_patch_size, vision.patch_size, vision.patch_size),
+            Init.normal(1 / math.sqrt(patch)),
+        ),
+        TensorSpec("model.visual.patch_embed.proj.bias", (h,), BIAS),
+        TensorSpec("model.visual.pos_embed.weight", (vision.num_position_embeddings, h), Init.normal(0.02)),
+    ]
+    for index in range(vision.depth):
+        block = f"model.visual.blocks.{index}"
+        specs += [
+            TensorSpec(f"{block}.norm1.weight", (h,), UNIT_NORM),
+            TensorSpec(f"{block}.norm1.bias", (h,), BIAS),
+            TensorSpec(f"{block}.norm2.weight", (h,), UNIT_NORM),
+            TensorSpec(f"{block}.norm2.bias", (h,), BIAS),
+            _linear(f"{block}.attn.qkv.weight", 3 * h, h),
+            TensorSpec(f"{block}.attn.qkv.bias", (3 * h,), BIAS),
+            _linear(f"{block}.attn.proj.weight", h, h),
+            TensorSpec(f"{block}.attn.proj.bias", (h,), BIAS),
+            _linear(f"{block}.mlp.linear_fc1.weight", vision.intermediate_size, h),
+            TensorSpec(f"{block}.mlp.linear_fc1.bias", (vision.intermediate_size,), BIAS),
+            _linear(f"{block}.mlp.linear_fc2.weight", h, vision.intermediate_size),
+            TensorSpec(f"{block}.mlp.linear_fc2.bias", (h,), BIAS),
+        ]
+    specs += [
+        TensorSpec("model.visual.merger.norm.weight", (h,), UNIT_NORM),
+        TensorSpec("model.visual.merger.norm.bias", (h,), BIAS),
+        _linear("model.visual.merger.linear_fc1.weight", merged, merged),
+        TensorSpec("model.visual.merger.linear_fc1.bias", (merged,), BIAS),
+        _linear("model.visual.merger.linear_fc2.weight", out_hidden_size, merged),
+        TensorSpec("model.visual.merger.linear_fc2.bias", (out_hidden_size,), BIAS),
+    ]
+    return specs
+
+
+def tensor_table(config: str | RandomConfig, *, mtp: bool = True) -> list[TensorSpec]:
+    """Every tensor of `model*.safetensors`, in the order of transformers'
+    `Qwen3_5ForConditionalGeneration.state_dict()` (which fixes how shards are cut), then `mtp.*`."""
+    config = resolve_config(config)
+    text = config.text
+    d = text.hidden_size
+    # Each layer adds two residual branches; 1/sqrt(2·layers) keeps the stream O(1) at any depth.
+    residual_gain = 1 / math.sqrt(2 * text.num_hidden_layers)
+    specs = _vision_tower(config.vision, d)
+    # Unit-variance input embeddings: the residual stream starts O(1), like the layers' outputs.
+    specs.append(TensorSpec("model.language_model.embed_tokens.weight", (text.vocab_size, d), Init.normal(1.0)))
+    for index, layer_type in enumerate(text.layer_types):
+        specs += _decoder_layer(f"model.language_model.layers.{index}", text, layer_type, residual_gain)
+    specs.append(TensorSpec("model.language_model.norm.weight", (d,), NORM_OFFSET))
+    # Output embeddings N(0, 1/D): logits of a unit hidden state are O(1); the head reads these rows raw.
+    specs.append(TensorSpec("lm_head.weight", (text.vocab_size, d), Init.normal(1 / math.sqrt(d))))
+    if mtp:
+        # Qwen3.5's multi-token-prediction block (as vLLM reads it); transformers ignores `mtp.*`.
+        specs.append(_linear("mtp.fc.weight", d, 2 * d))
+        for index in range(text.mtp_num_hidden_layers):
+            specs += _decoder_layer(f"mtp.layers.{index}", text, "full_attention", residual_gain)
+        specs += [
+            TensorSpec("mtp.norm.weight", (d,), NORM_OFFSET),
+            TensorSpec("mtp.pre_fc_norm_embedding.weight", (d,), NORM_OFFSET),
+            TensorSpec("mtp.pre_fc_norm_hidden.weight", (d,), NORM_OFFSET),
+        ]
+    return specs
+
+
+# Non-zero head scalars (zeros, the reference's init, would switch the joint path off), small
+# enough that random answers are not saturated: gate sigmoid(0.5) = 0.62, joint scale e^1, prior e^-0.5.
+HEAD_SCALARS = {"prior_logit_scale": -0.5, "joint_logit_scale": 1.0, "residual_gate": 0.5}
+
+
+def _layer_norm(name: str, width: int) -> list[TensorSpec]:
+    return [TensorSpec(f"{name}.weight", (width,), UNIT_NORM), TensorSpec(f"{name}.bias", (width,), BIAS)]
+
+
+def _multihead_attention(name: str, width: int) -> list[TensorSpec]:
+    """torch.nn.MultiheadAttention's packed, biased projections."""
+    return [
+        _linear(f"{name}.in_proj_weight", 3 * width, width),
+        TensorSpec(f"{name}.in_proj_bias", (3 * width,), BIAS),
+        _linear(f"{name}.out_proj.weight", width, width),
+        TensorSpec(f"{name}.out_proj.bias", (width,), BIAS),
+    ]
+
+
+def _biased_linear(name: str, out_features: int, in_features: int) -> list[TensorSpec]:
+    return [_linear(f"{name}.weight", out_features, in_features), TensorSpec(f"{name}.bias", (out_features,), BIAS)]
+
+
+def head_tensor_table(config: str | RandomConfig) -> list[TensorSpec]:
+    """Every tensor of `joint_head.safetensors`, named and ordered as the reference
+    `JointSchemaHead(**config).state_dict()` (SPEC §5)."""
+    config = resolve_config(config)
+    d = config.text.hidden_size
+    w, ff = config.head.width, config.head.feedforward
+    # The head's own parameters come before its submodules' in state_dict().
+    specs = [TensorSpec(name, (), Init("constant", value)) for name, value in HEAD_SCALARS.items()]
+    specs += _layer_norm("hidden_norm", d)
+    for name in (
+        "memory_projection", "question_projection", "option_question_projection",
+        "global_projection", "option_context_projection",
+    ):
+        specs.append(_linear(f"{name}.weight", w, d))
+    # Its input is a mean of lm_head rows (rms 1/sqrt(D), see tensor_table): unit std keeps it O(1).
+    specs.append(TensorSpec("option_lexical_projection.weight", (w, d), Init.normal(1.0)))
+    specs.append(TensorSpec("type_embedding.weight", (3, w), Init.normal(1.0)))
+    for index in range(config.head.routing_layers):
+        layer = f"evidence_layers.{index}"
+        specs += _layer_norm(f"{layer}.query_norm", w)
+        specs += _layer_norm(f"{layer}.memory_norm", w)
+        specs += _multihead_attention(f"{layer}.attention", w)
+        specs += _layer_norm(f"{layer}.feedforward_norm", w)
+        specs += _biased_linear(f"{layer}.feedforward.0", ff, w)
+        specs += _biased_linear(f"{layer}.feedforward.3", w, ff)
+    specs += _layer_norm("option_summary_norm", w)
+    for index in range(config.head.layers):
+        layer = f"layers.{index}"  # torch.nn.TransformerDecoderLayer, norm_first
+        specs += _multihead_attention(f"{layer}.self_attn", w)
+        specs += _multihead_attention(f"{layer}.multihead_attn", w)
+        specs += _biased_linear(f"{layer}.linear1", ff, w)
+        specs += _biased_linear(f"{layer}.linear2", w, ff)
+        for norm in ("norm1", "norm2", "norm3"):
+            specs += _layer_norm(f"{layer}.{norm}", w)
+    specs += _layer_norm("field_norm", w)
+    specs += _layer_norm("option_norm", w)
+    specs += _biased_linear("residual_scorer.0", w, 4 * w)
+    specs += _biased_linear("residual_scorer.3", 1, w)
+    return specs
+
+
+# ---------------------------------------------------------------------------------------------
+# Drawing tensors
+
+_CHUNK_ELEMENTS = 1 << 23  # 32 MiB of fp32 per draw: memory stays bounded for any tensor size
+
+
+def _tensor_seed(seed: int, name: str) -> int:
+    digest = hashlib.sha256(f"clef-flash-random/{seed}/{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def draw_chunks(spec: TensorSpec, seed: int, dtype: torch.dtype) -> Iterator[torch.Tensor]:
+    """The flattened tensor, in chunks of at most `_CHUNK_ELEMENTS`, cast to `dtype`."""
+    generator = torch.Generator().manual_seed(_tensor_seed(seed, spec.name))
+    init = spec.init
+    for start in range(0, spec.numel, _CHUNK_ELEMENTS):
+        count = min(_CHUNK_ELEMENTS, spec.numel - start)
+        if init.kind == "normal":
+            values = torch.randn(count, generator=generator).mul_(init.b).add_(init.a)
+        elif init.kind == "log_uniform":
+            values = torch.rand(count, generator=generator).mul_(init.b - init.a).add_(init.a).log_()
+        elif init.kind == "dt_bias":
+            low, high = math.log(init.a), math.log(init.b)
+            dt = torch.rand(count, generator=generator, dtype=torch.float64).mul_(high - low).add_(low).exp_()
+            values = (dt + torch.log(-torch.expm1(-dt))).float()  # softplus(dt_bias) == dt
+        elif init.kind == "constant":
+            values = torch.full((count,), init.a)
+        else:
+            raise ValueError(f"unknown init kind {init.kind!r} for {spec.name}")
+        yield values.to(dtype)
+
+
+def draw_tensor(spec: TensorSpec, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """One tensor exactly as the release holds it (for tests and small configs)."""
+    return torch.cat(list(draw_chunks(spec, seed, dtype))).reshape(spec.shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# safetensors, streamed
+
+# safetensors orders a file's tensors by dtype (this order, descending), then by name.
+_SAFETENSORS_DTYPES = {
+    torch.float64: ("F64", 4),
+    torch.float32: ("F32", 3),
+    torch.bfloat16: ("BF16", 2),
+    torch.float16: ("F16", 1),
+}
+
+
+def _write_safetensors(
+    path: Path,
+    specs: Sequence[TensorSpec],
+    *,
+    seed: int,
+    dtype: torch.dtype,
+    metadata: dict[str, str] | None,
+    on_bytes: Callable[[int], None] = lambda count: None,
+) -> None:
+    """Byte for byte what `safetensors.torch.save_file` writes, without holding the tensors:
+    u64 header length, compact JSON header padded with spaces to 8 bytes, then the raw data."""
+    dtype_name, _ = _SAFETENSORS_DTYPES[dtype]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    ordered = sorted(specs, key=lambda spec: spec.name)  # one dtype per file, so: by name
+    header: dict[str, object] = {} if metadata is None else {"__metadata__": metadata}
+    offset = 0
+    for spec in ordered:
+        size = spec.numel * itemsize
+        header[spec.name] = {"dtype": dtype_name, "shape": list(spec.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    with open(path, "wb") as handle:
+        handle.write(struct.pack("<Q", len(encoded)))
+        handle.write(encoded)
+        for spec in ordered:
+            for chunk in draw_chunks(spec, seed, dtype):
+                handle.write(chunk.view(torch.uint8).numpy().data)
+                on_bytes(chunk.numel() * itemsize)
+
+
+def plan_shards(specs: Sequence[TensorSpec], itemsize: int, max_shard_bytes: int | None) -> dict[str, list[TensorSpec]]:
+    """File name -> tensors, cut as huggingface_hub's `split_torch_state_dict_into_shards` cuts
+    (what `save_pretrained(max_shard_size=...)` uses): tensors in order fill the current shard until
+    the next would overflow it; a tensor larger than the limit gets a shard of its own, numbered first."""
+    if max_shard_bytes is None:
+        return {"model.safetensors": list(specs)}
+    shards: list[list[TensorSpec]] = []
+    current: list[TensorSpec] = []
+    current_bytes = 0
+    for spec in specs:
+        size = spec.numel * itemsize
+        if size > max_shard_bytes:
+            shards.append([spec])
+            continue
+        if current_bytes + size > max_shard_bytes:
+            shards.append(current)
+            current, current_bytes = [], 0
+        current.append(spec)
+        current_bytes += size
+    if current:
+        shards.append(current)
+    if len(shards) == 1:
+        return {"model.safetensors": shards[0]}
+    count = len(shards)
+    return {f"model-{index + 1:05d}-of-{count:05d}.safetensors": shard for index, shard in enumerate(shards)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Releases
+
+RANDOM_RELEASE_NOTE = """\
+# Random clef-flash release
+
+Generated by `clef_flash.testing.release` (builder v{version}) from the random config
+`{name}` with seed {seed}. The layout, key names and shapes are those of `Cloudflare/clef-flash`;
+**every weight is random**, so no decision, probability or benchmark quality number from this
+directory means anything. Use it for tests, parity checks and speed measurements only.
+`config.json` carries `"clef_flash_random": {{"config": "{name}", "seed": {seed}}}` so that tools can say so.
+"""
+
+
+def write_random_release(
+    out_dir: str | os.PathLike[str],
+    config: str | RandomConfig = "tiny",
+    *,
+    seed: int = 0,
+    max_shard_bytes: int | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    head_dtype: torch.dtype = torch.float32,
+    mtp: bool = True,
+    progress: Progress | None = None,
+) -> Path:
+    """Write a random release of `config` (a name in RANDOM_CONFIGS or a RandomConfig) into `out_dir`
+    (created; it must be empty). `max_shard_bytes` shards `model*.safetensors` as `save_pretrained`
+    would; `mtp` adds the `mtp.*` tensors; `progress(done, total)` is called as bytes are written."""
+    config = resolve_config(config)
+    if dtype not in _DTYPE_NAMES or head_dtype not in _DTYPE_NAMES:
+        raise ValueError(f"dtype and head_dtype must be one of {sorted(map(str, _DTYPE_NAMES))}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if any(out.iterdir()):
+        raise FileExistsError(f"{out} is not empty; a random release is written into an empty directory")
+
+    specs = tensor_table(config, mtp=mtp)
+    head_specs = head_tensor_table(config)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    head_itemsize = torch.empty((), dtype=head_dtype).element_size()
+    total = sum(s.numel for s in specs) * itemsize + sum(s.numel for s in head_specs) * head_itemsize
+    done = 0
+
+    def on_bytes(count: int) -> None:
+        nonlocal done
+        done += count
+        if progress is not None:
+            progress(done, total)
+
+    shards = plan_shards(specs, itemsize, max_shard_bytes)
+    for filename, shard in shards.items():  # one file open at a time, streamed
+        _write_safetensors(out / filename, shard, seed=seed, dtype=dtype, metadata={"format": "pt"}, on_bytes=on_bytes)
+    if len(shards) > 1:
+        index = {
+            "metadata": {
+                "total_parameters": sum(s.numel for s in specs),
+                "total_size": sum(s.numel for s in specs) * itemsize,
+            },
+            "weight_map": {spec.name: filename for filename, shard in shards.items() for spec in shard},
+        }
+        _write_json(out / "model.safetensors.index.json", index)
+    # The reference exporter (clef-finetune) saves the head without safetensors metadata.
+    _write_safetensors(
+        out / "joint_head.safetensors", head_specs, seed=seed, dtype=head_dtype, metadata=None, on_bytes=on_bytes
+    )
+    _write_json(out / "joint_head_config.json", config.head_config())
+    _write_json(out / "config.json", release_config(config, seed=seed, dtype=dtype, mtp=mtp))
+    write_tokenizer_files(out)
+    (out / "RANDOM_RELEASE.md").write_text(
+        RANDOM_RELEASE_NOTE.format(version=RELEASE_BUILDER_VERSION, name=config.name, seed=seed)
+    )
+    return out
+
+
+def _write_json(path: Path, value: object) -> None:
+    # As transformers writes config.json and the shard index.
+    path.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n")
+
+
+def _release_version() -> str:
+    return f"{RELEASE_BUILDER_VERSION}.{VOCAB_BUILDER_VERSION}"
+
+
+def tiny_release(cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """The cached `tiny` release (seed 0) that `clef_flash.load("tiny")` and the tests use.
+
+    Lives under `cache_dir` (default `$CLEF_FLASH_CACHE` or `~/.cache/clef-flash`) in a directory
+    named after the builder version; built once, atomically (into a temporary directory, then
+    renamed), and rebuilt when the version changes. Releases of older versions are removed."""
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    name = f"release-tiny-v{_release_version()}"
+    path = root / name
+    if (path / "config.json").is_file():
+        return path
+    root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=root))
+    try:
+        write_random_release(staging, "tiny", seed=0)
+        try:
+            os.rename(staging, path)
+        except OSError:
+            if not (path / "config.json").is_file():  # lost a race to another builder: theirs is as good
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    for stale in root.glob("release-tiny-v*"):
+        if stale.name != name and stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
+    return path
