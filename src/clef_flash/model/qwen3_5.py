@@ -1,0 +1,313 @@
+"""The Qwen3.5 text decoder (transformers' `Qwen3_5TextModel`), formula by formula as /work/shared/qwen35.md.
+
+Hybrid layers: Gated DeltaNet (`linear_attention`) and gated full attention (`full_attention`), each followed by
+a SwiGLU MLP, pre-norm with (1+w) RMSNorms. Parameter names are exactly the checkpoint names under
+`model.language_model.`, so a loader fills the model by name:
+
+    with torch.device("meta"):
+        decoder = Qwen35Decoder(config)
+    decoder.load_state_dict(tensors, assign=True, strict=True)
+
+Dtypes follow transformers (qwen35.md §3, §9) so a bf16 model matches HF's bf16 closely: linears, conv and
+embedding run in the model dtype, every norm and the delta rule in at least fp32 (`compute_dtype`: fp32, or
+float64 for a float64 model), cos/sin in at least fp32 then cast to the model dtype.
+
+Batches are right-padded: every layer is causal, so real positions never see the padding and no mask is needed.
+Segmented prefill: `forward(..., state=previous, return_state=True)` continues a sequence from a `DecoderState`
+(conv tails, recurrent states, attention K/V) and equals one pass over the concatenation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import TextConfig
+from .ops.gated_delta_rule import causal_conv1d_silu, chunk_gated_delta_rule, compute_dtype, l2norm
+
+__all__ = ["AttentionState", "DecoderState", "DeltaNetState", "Qwen35Decoder"]
+
+
+# State carried between segments --------------------------------------------------------------------
+
+
+@dataclass
+class DeltaNetState:
+    conv: torch.Tensor  # [B, conv_dim, K-1] the last K-1 pre-conv inputs, model dtype
+    recurrent: torch.Tensor  # [B, Hv, Dk, Dv] compute dtype (fp32 / float64)
+
+
+@dataclass
+class AttentionState:
+    key: torch.Tensor  # [B, Hkv, T, head_dim] after k_norm and RoPE
+    value: torch.Tensor  # [B, Hkv, T, head_dim]
+
+
+@dataclass
+class DecoderState:
+    """Everything a later segment needs: the tokens seen so far and each layer's state.
+
+    Rows must all be `length` real tokens long: a right-padded row's state would include its pad steps.
+    """
+
+    length: int
+    layers: list[DeltaNetState | AttentionState]
+
+
+# Norms -------------------------------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    """Qwen3_5RMSNorm: `(x_hat * (1 + w)).to(x.dtype)`, computed in at least fp32; w is an offset (init 0)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = compute_dtype(x.dtype, self.weight.dtype)
+        h = x.to(dtype)
+        h = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.to(dtype))).to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """Qwen3_5RMSNormGated over each value head: `(w * x_hat.to(x.dtype)) * silu(z)`, plain weight (init 1)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = compute_dtype(x.dtype)
+        h = x.to(dtype)
+        h = (h * torch.rsqrt(h.square().mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        h = self.weight * h  # the model dtype, as HF
+        return (h * F.silu(gate.to(dtype))).to(x.dtype)
+
+
+# RoPE ----------------------------------------------------------------------------------------------------
+
+
+def rotary_cos_sin(
+    config: TextConfig, start: int, length: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [L, rotary_dim/2] for positions start..start+L-1 (text: all M-RoPE axes equal, so plain RoPE).
+
+    Computed like HF (inv_freq = 1 / theta^(2j/rd) in fp32, or float64 for a float64 model) and cast to `dtype`.
+    Only one half is returned: HF's cos/sin are [cos, cos] and [sin, sin].
+    """
+    work = compute_dtype(dtype)
+    rd = config.rotary_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, rd, 2, dtype=work, device=device) / rd))
+    positions = torch.arange(start, start + length, device=device).to(work)
+    angles = positions[:, None] * inv_freq[None, :]  # [L, rd/2]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """NeoX rotation of the first rotary dims of x [B, L, H, D], in place; cos, sin [L, rd/2].
+
+    Pair (i, i + rd/2): x_i' = x_i cos - x_{i+rd/2} sin, x_{i+rd/2}' = x_{i+rd/2} cos + x_i sin (HF's rotate_half,
+    same roundings). Dims rd.. pass through.
+    """
+    half = cos.shape[-1]
+    cos, sin = cos[:, None, :], sin[:, None, :]  # [L, 1, rd/2]
+    x1, x2 = x[..., :half], x[..., half : 2 * half]
+    rotated1 = x1 * cos - x2 * sin
+    rotated2 = x2 * cos + x1 * sin
+    x1.copy_(rotated1)
+    x2.copy_(rotated2)
+    return x
+
+
+# Mixers ---------------------------------------------------------------------------------------------------
+
+
+class GatedAttention(nn.Module):
+    """Qwen3_5Attention: per-head [q | gate] projection, (1+w) q/k norms, partial RoPE, GQA SDPA, sigmoid gate."""
+
+    def __init__(self, config: TextConfig):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = hd = config.head_dim
+        D = config.hidden_size
+        self.q_proj = nn.Linear(D, self.num_heads * 2 * hd, bias=False)
+        self.k_proj = nn.Linear(D, self.num_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(D, self.num_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * hd, D, bias=False)
+        self.q_norm = RMSNorm(hd, config.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        state: AttentionState | None = None,
+        return_state: bool = False,
+    ) -> tuple[torch.Tensor, AttentionState | None]:
+        B, L, _ = x.shape
+        H, Hkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        query, gate = self.q_proj(x).view(B, L, H, 2, hd).unbind(3)  # [B, L, H, hd] each; rows [q_h | gate_h]
+        query = apply_rotary_(self.q_norm(query), cos, sin)  # q_norm makes a fresh tensor: rotate in place
+        key = apply_rotary_(self.k_norm(self.k_proj(x).view(B, L, Hkv, hd)), cos, sin)
+        value = self.v_proj(x).view(B, L, Hkv, hd)
+        query, key, value = (t.transpose(1, 2) for t in (query, key, value))  # [B, heads, L, hd]
+
+        if state is None:
+            out = F.scaled_dot_product_attention(query, key, value, is_causal=L > 1, enable_gqa=True)
+        else:
+            # Queries sit after the past keys: key j is visible to query i iff j <= past + i (bottom-right causal).
+            past = state.key.shape[2]
+            key = torch.cat((state.key, key), dim=2)
+            value = torch.cat((state.value, value), dim=2)
+            allowed = torch.ones(L, past + L, dtype=torch.bool, device=x.device).tril_(past)
+            out = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, enable_gqa=True)
+        out = out.transpose(1, 2).reshape(B, L, H * hd)  # [B, L, H*hd] head-major, like the gate
+        out = out * torch.sigmoid(gate).reshape(B, L, H * hd)  # the sigmoid's output is fresh: a view
+        new_state = AttentionState(key, value) if return_state else None
+        return self.o_proj(out), new_state
+
+
+class ShortConv(nn.Module):
+    """Holds the depthwise conv weight under the checkpoint's name `conv1d.weight` [C, 1, K]."""
+
+    def __init__(self, channels: int, kernel: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel))
+        nn.init.uniform_(self.weight, -(kernel**-0.5), kernel**-0.5)
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3_5GatedDeltaNet: qkv projection, short conv + SiLU, gated delta rule, gated RMSNorm, out projection."""
+
+    def __init__(self, config: TextConfig):
+        super().__init__()
+        D = config.hidden_size
+        self.num_k_heads = config.linear_num_key_heads
+        self.num_v_heads = config.linear_num_value_heads
+        self.head_k_dim = config.linear_key_head_dim
+        self.head_v_dim = config.linear_value_head_dim
+        self.key_dim = config.linear_key_dim
+        self.value_dim = config.linear_value_dim
+        conv_dim = config.linear_conv_dim
+        self.in_proj_qkv = nn.Linear(D, conv_dim, bias=False)  # channels [q | k | v], head-major
+        self.in_proj_z = nn.Linear(D, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(D, self.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(D, self.num_v_heads, bias=False)
+        self.conv1d = ShortConv(conv_dim, config.linear_conv_kernel_dim)
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, D, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, state: DeltaNetState | None = None, return_state: bool = False
+    ) -> tuple[torch.Tensor, DeltaNetState | None]:
+        B, L, _ = x.shape
+        Hk, Hv, Dk, Dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        work = compute_dtype(x.dtype)
+        mixed, conv_tail = causal_conv1d_silu(
+            self.in_proj_qkv(x), self.conv1d.weight, None if state is None else state.conv, return_state
+        )  # [B, L, conv_dim]
+        query, key, value = mixed.split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
+        # l2norm and the Dk^-0.5 query scale live here, on the Hk key heads (the kernel takes q, k as given).
+        query = l2norm(query.view(B, L, Hk, Dk)) * Dk**-0.5  # [B, L, Hk, Dk] compute dtype
+        key = l2norm(key.view(B, L, Hk, Dk))
+        value = value.view(B, L, Hv, Dv)
+        beta = self.in_proj_b(x).sigmoid()  # [B, L, Hv] model dtype, as HF
+        g = -self.A_log.to(work).exp() * F.softplus(self.in_proj_a(x).to(work) + self.dt_bias.to(work))  # [B, L, Hv]
+        out, recurrent = chunk_gated_delta_rule(
+            query, key, value, g, beta, initial_state=None if state is None else state.recurrent
+        )  # out [B, L, Hv, Dv] model dtype
+        z = self.in_proj_z(x).view(B, L, Hv, Dv)
+        out = self.norm(out, z).reshape(B, L, self.value_dim)
+        new_state = DeltaNetState(conv_tail, recurrent) if return_state else None
+        return self.out_proj(out), new_state
+
+
+class MLP(nn.Module):
+    def __init__(self, config: TextConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.silu(self.gate_proj(x), inplace=True)
+        return self.down_proj(h.mul_(self.up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: TextConfig, layer_type: str):
+        super().__init__()
+        self.layer_type = layer_type
+        if layer_type == "linear_attention":
+            self.linear_attn = GatedDeltaNet(config)
+        else:
+            self.self_attn = GatedAttention(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, state=None, return_state=False):
+        h = self.input_layernorm(x)
+        if self.layer_type == "linear_attention":
+            h, new_state = self.linear_attn(h, state, return_state)
+        else:
+            h, new_state = self.self_attn(h, cos, sin, state, return_state)
+        x = x + h
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, new_state
+
+
+# The decoder -----------------------------------------------------------------------------------------------
+
+
+class Qwen35Decoder(nn.Module):
+    """Token ids -> last_hidden_state (after the final norm), as `Qwen3_5TextModel`."""
+
+    def __init__(self, config: TextConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, layer_type) for layer_type in config.layer_types)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        lengths: torch.Tensor | None = None,
+        state: DecoderState | None = None,
+        return_state: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, DecoderState]:
+        """input_ids [B, L] long, right-padded; lengths [B] (the real lengths) is accepted for the engine's
+        bookkeeping and changes nothing: causality already keeps padding away from real positions.
+
+        Returns last_hidden_state [B, L, D] in the model dtype, or (it, DecoderState) with return_state.
+        Positions continue from `state.length` when a state is given.
+        """
+        B, L = input_ids.shape
+        past = 0 if state is None else state.length
+        x = self.embed_tokens(input_ids)  # [B, L, D]
+        cos, sin = rotary_cos_sin(self.config, past, L, x.dtype, x.device)
+        layer_states = [None] * len(self.layers) if state is None else state.layers
+        new_states = []
+        for layer, layer_state in zip(self.layers, layer_states):
+            x, new_state = layer(x, cos, sin, layer_state, return_state)
+            new_states.append(new_state)
+        x = self.norm(x)
+        if return_state:
+            return x, DecoderState(past + L, new_states)
+        return x
