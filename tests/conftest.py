@@ -54,3 +54,67 @@ def hf_tokenizer(vocab_dir):
     """The transformers tokenizer the reference encode_record is called with."""
     transformers = pytest.importorskip("transformers")
     return transformers.AutoTokenizer.from_pretrained(str(vocab_dir))
+
+
+@pytest.fixture(scope="session")
+def tiny_dir() -> Path:
+    from clef_flash.testing import tiny_release
+
+    return tiny_release()
+
+
+@pytest.fixture(scope="session")
+def heads_dir(tmp_path_factory) -> Path:
+    """A random release with the 9B per-head sizes at hidden 256 (about 2 s to write)."""
+    from clef_flash.testing import write_random_release
+
+    return write_random_release(tmp_path_factory.mktemp("release") / "9b-heads", "9b-heads", seed=1)
+
+
+class ReferenceModel:
+    """transformers' Qwen3_5ForConditionalGeneration + the authors' JointSchemaHead, as the reference runs them."""
+
+    def __init__(self, reference, root: Path, dtype):
+        import json
+
+        import torch
+        import transformers
+        from safetensors.torch import load_file
+
+        self.reference = reference
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(str(root))
+        backbone = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(str(root), dtype=dtype)
+        head = reference.JointSchemaHead(**json.loads((root / "joint_head_config.json").read_text()))
+        head.load_state_dict(load_file(str(root / "joint_head.safetensors")), strict=True)
+        self.model = reference.ClefModel(backbone, head.to(dtype)).eval()
+
+    def encode(self, request):
+        return self.reference.encode_record(self.tokenizer, request, max_length=65_536)
+
+    def logits(self, request) -> dict[str, dict[str, float]]:
+        import torch
+
+        encoded = self.encode(request)
+        with torch.inference_mode():
+            batch = self.reference.collate_records([encoded], self.tokenizer.pad_token_id, torch.device("cpu"))
+            per_question = self.model(batch)[0]
+        return {
+            question.question_id: dict(zip(question.option_ids, values.double().tolist()))
+            for question, values in zip(encoded.questions, per_question)
+        }
+
+
+@pytest.fixture(scope="session")
+def reference_models(reference, tiny_dir, heads_dir):
+    """fp32 reference models, built on first use per release name."""
+    import torch
+
+    cache: dict = {}
+
+    def get(name: str, dtype=torch.float32) -> ReferenceModel:
+        key = (name, dtype)
+        if key not in cache:
+            cache[key] = ReferenceModel(reference, {"tiny": tiny_dir, "9b-heads": heads_dir}[name], dtype)
+        return cache[key]
+
+    return get

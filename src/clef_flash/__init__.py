@@ -12,13 +12,28 @@ from .errors import (
 
 __version__ = "0.1.0"
 
+_LAZY = {"load": "engine", "Clef": "engine", "EncodedRecord": "records", "EncodedQuestion": "records"}
+
+
+def __getattr__(name: str):
+    # torch is imported on first use of the engine, not by `import clef_flash.protocol`.
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 __all__ = [
     "BundleError",
+    "Clef",
     "ClefError",
+    "EncodedQuestion",
+    "EncodedRecord",
     "InferenceError",
     "ModelSourceError",
     "RecordTooLong",
     "RequestInvalid",
     "WeightsError",
     "__version__",
+    "load",
 ]

@@ -34,12 +34,15 @@ NOUL_DEFAULTS = {
 }
 DEFAULT_MAX_LENGTH = 65_536
 
+# json.dumps(value, ensure_ascii=False, separators=(",", ":"), sort_keys=True), built once.
+_compact_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), sort_keys=True).encode
+
 
 def render(value: Any) -> str:
     """A string as itself; any other JSON value as compact JSON, keys sorted, non-ASCII kept."""
     if isinstance(value, str):
         return value
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
+    return _compact_json(value)
 
 
 def field_header(number: int, question_id: str, question_type: str) -> str:

@@ -1,0 +1,260 @@
+"""Reading a release: where it is, which tensors it holds, and strict loading into our modules.
+
+A release (SPEC §2) holds the decoder under `model.language_model.*`, the output embeddings
+`lm_head.weight`, and the head in `joint_head.safetensors`. Loading is strict: a tensor the model
+needs that is missing, one we do not know, or one of the wrong shape is an error that lists them,
+sorted. Only the vision tower (`model.visual.*`) and the multi-token-prediction layers (`mtp.*`) are
+skipped, by name. Modules are built on the meta device and filled tensor by tensor from the
+memory-mapped files, so loading never holds two copies of the weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from .errors import ModelSourceError, WeightsError
+
+DECODER_PREFIX = "model.language_model."
+LM_HEAD = "lm_head.weight"
+IGNORED_PREFIXES = ("model.visual.", "mtp.")
+HEAD_WEIGHTS = "joint_head.safetensors"
+HEAD_CONFIG = "joint_head_config.json"
+RELEASE_FILES = ("config.json", HEAD_WEIGHTS, HEAD_CONFIG, "tokenizer.json")
+DEFAULT_REPO = "Cloudflare/clef-flash"
+
+
+def resolve_source(source: str | os.PathLike[str], *, revision: str | None = None) -> Path:
+    """A local directory for `source`: a directory, `"tiny"` (a generated random release), or a hub repo id."""
+    text = os.fspath(source)
+    if text == "tiny":
+        from .testing import tiny_release
+
+        return tiny_release()
+    path = Path(text).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise ModelSourceError(f"{path} is a file; a model source is a release or bundle directory")
+    looks_like_repo = text.count("/") == 1 and not text.startswith((".", "/", "~"))
+    if not looks_like_repo:
+        raise ModelSourceError(
+            f"no model at {text!r}: give a release or bundle directory, 'tiny' (random weights, for a "
+            f"smoke test) or a Hugging Face repo id such as {DEFAULT_REPO}"
+        )
+    return _download(text, revision)
+
+
+def _download(repo_id: str, revision: str | None) -> Path:
+    """Fetch a release from the Hugging Face hub once, into its cache (huggingface_hub)."""
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError as exc:  # pragma: no cover - a declared dependency
+        raise ModelSourceError("loading from the hub needs huggingface_hub (pip install huggingface_hub)") from exc
+    patterns = ["*.json", "*.safetensors", "*.md"]
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns))
+    except Exception as exc:  # hub errors come in many classes; all mean "not here"
+        offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
+        hint = (
+            "the hub is offline (HF_HUB_OFFLINE is set)" if offline else f"downloading it failed ({type(exc).__name__}: {exc})"
+        )
+        raise ModelSourceError(
+            f"cannot get {repo_id!r}{'@' + revision if revision else ''} from the Hugging Face hub: {hint}. "
+            f"Point --model at a local copy instead (e.g. `huggingface-cli download {repo_id} --local-dir DIR` "
+            f"on a machine with a network, then --model DIR)"
+        ) from exc
+
+
+def read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise ModelSourceError(f"{path.parent} is not a Clef release: {path.name} is missing")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelSourceError(f"{path} is not valid JSON: {exc}") from exc
+
+
+class SafetensorsFiles:
+    """The tensors of a (possibly sharded) set of safetensors files, memory-mapped, by name."""
+
+    def __init__(self, files: Iterable[Path]):
+        from safetensors import safe_open
+
+        self._handles = {}
+        self._location: dict[str, str] = {}
+        for path in files:
+            try:
+                handle = safe_open(str(path), framework="pt", device="cpu")
+            except Exception as exc:
+                raise WeightsError(f"cannot open {path}: {exc}") from exc
+            self._handles[str(path)] = handle
+            for name in handle.keys():
+                self._location[name] = str(path)
+
+    @classmethod
+    def of_release(cls, root: Path) -> "SafetensorsFiles":
+        index = root / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = read_json(index).get("weight_map", {})
+            files = sorted({root / name for name in weight_map.values()})
+            missing = [path.name for path in files if not path.is_file()]
+            if missing:
+                raise WeightsError(f"{root}: shards listed in {index.name} are missing: {', '.join(missing)}")
+        else:
+            files = sorted(root.glob("model*.safetensors"))
+        if not files:
+            raise ModelSourceError(f"{root} is not a Clef release: no model*.safetensors")
+        return cls(files)
+
+    def keys(self) -> set[str]:
+        return set(self._location)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handles[self._location[name]].get_slice(name).get_shape())
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._handles[self._location[name]].get_tensor(name)
+
+
+@dataclass(frozen=True)
+class KeyReport:
+    missing: list[str]
+    unexpected: list[str]
+    misshapen: list[str]
+
+    def raise_if_any(self, where: str) -> None:
+        problems = []
+        for label, names in (("missing", self.missing), ("unexpected", self.unexpected), ("wrong shape", self.misshapen)):
+            if names:
+                shown = ", ".join(names[:20]) + (f", ... ({len(names)} in all)" if len(names) > 20 else "")
+                problems.append(f"{label}: {shown}")
+        if problems:
+            raise WeightsError(f"{where} does not match the model: " + "; ".join(problems))
+
+
+def check_keys(expected: dict[str, tuple[int, ...]], available: dict[str, tuple[int, ...]]) -> KeyReport:
+    """Compare the tensors a module needs with those a file holds (ignored prefixes skipped)."""
+    relevant = {name for name in available if not name.startswith(IGNORED_PREFIXES)}
+    return KeyReport(
+        missing=sorted(set(expected) - relevant),
+        unexpected=sorted(relevant - set(expected)),
+        misshapen=sorted(
+            f"{name} {list(available[name])} (expected {list(shape)})"
+            for name, shape in expected.items()
+            if name in available and tuple(available[name]) != tuple(shape)
+        ),
+    )
+
+
+def module_shapes(module: nn.Module, prefix: str = "") -> dict[str, tuple[int, ...]]:
+    return {prefix + name: tuple(tensor.shape) for name, tensor in module.state_dict().items()}
+
+
+def fill_module(
+    module: nn.Module,
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    *,
+    dtype_of: "callable",
+    device: torch.device,
+) -> None:
+    """Assign tensors (name relative to `module`) into a meta-device module, one at a time."""
+    state = {}
+    for name, tensor in tensors:
+        state[name] = tensor.to(device=device, dtype=dtype_of(name))
+    module.load_state_dict(state, strict=True, assign=True)
+
+
+def config_fingerprint(config: dict) -> str:
+    """SHA-256 of the canonical JSON of a config (what /health reports)."""
+    import hashlib
+
+    canonical = json.dumps(config, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+# ------------------------------------------------------------------------------------------------
+# A release, loaded
+
+
+HIGH_PRECISION_DECODER_PARAMETERS = ("A_log", "dt_bias")  # kept in fp32 whatever the compute dtype
+
+
+def decoder_dtype_of(name: str, compute_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a decoder parameter is held in: fp32 for the DeltaNet decay parameters (at least)."""
+    if name.rsplit(".", 1)[-1] in HIGH_PRECISION_DECODER_PARAMETERS and compute_dtype != torch.float64:
+        return torch.float32
+    return compute_dtype
+
+
+@dataclass
+class Release:
+    """The parts of a release the runtime uses, ready on `device`."""
+
+    root: Path
+    config: dict  # config.json as read
+    decoder: nn.Module  # Qwen35Decoder
+    head: nn.Module  # JointHead (fp32)
+    lm_head: torch.Tensor  # [V, D] output embeddings, as stored (rows gathered by the head)
+    tokenizer: object  # clef_flash.tokenizer.Tokenizer
+
+    @property
+    def fingerprint(self) -> str:
+        return config_fingerprint(self.config)
+
+
+def load_release(root: Path, *, device: torch.device, dtype: torch.dtype) -> Release:
+    """Strictly load the decoder, output embeddings, head and tokenizer of a release directory."""
+    from .model.config import TextConfig
+    from .model.joint_head import HeadConfig, JointHead
+    from .model.qwen3_5 import Qwen35Decoder
+    from .tokenizer import Tokenizer
+
+    config = read_json(root / "config.json")
+    try:
+        text_config = TextConfig.from_release_config(config)
+        head_config = HeadConfig.from_dict(read_json(root / HEAD_CONFIG))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ModelSourceError(f"{root}: unsupported or malformed config: {exc}") from exc
+    if head_config.hidden_size != text_config.hidden_size:
+        raise ModelSourceError(
+            f"{root}: the head reads hidden size {head_config.hidden_size}, the decoder has {text_config.hidden_size}"
+        )
+    tokenizer = Tokenizer.from_file(root / "tokenizer.json")
+
+    files = SafetensorsFiles.of_release(root)
+    with torch.device("meta"):
+        decoder = Qwen35Decoder(text_config)
+        head = JointHead(head_config)
+    expected = module_shapes(decoder, DECODER_PREFIX)
+    expected[LM_HEAD] = (text_config.vocab_size, text_config.hidden_size)
+    available = {name: files.shape(name) for name in files.keys()}
+    check_keys(expected, available).raise_if_any(f"{root} (model*.safetensors)")
+
+    fill_module(
+        decoder,
+        ((name[len(DECODER_PREFIX):], files.get(name)) for name in expected if name != LM_HEAD),
+        dtype_of=lambda name: decoder_dtype_of(name, dtype),
+        device=device,
+    )
+    lm_head = files.get(LM_HEAD).to(device)
+
+    if not (root / HEAD_WEIGHTS).is_file():
+        raise ModelSourceError(f"{root} is not a Clef release: {HEAD_WEIGHTS} is missing")
+    head_files = SafetensorsFiles([root / HEAD_WEIGHTS])
+    check_keys(module_shapes(head), {name: head_files.shape(name) for name in head_files.keys()}).raise_if_any(
+        f"{root / HEAD_WEIGHTS}"
+    )
+    fill_module(
+        head,
+        ((name, head_files.get(name)) for name in module_shapes(head)),
+        dtype_of=lambda name: torch.float32,  # the head is small: always fp32
+        device=device,
+    )
+    return Release(root=root, config=config, decoder=decoder.eval(), head=head.eval(), lm_head=lm_head, tokenizer=tokenizer)

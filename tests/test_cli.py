@@ -1,0 +1,95 @@
+"""The command line on the tiny release: outputs, and errors as one clear line with a non-zero exit."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from clef_flash.cli import main, parse_question_spec
+
+FLAGS = [
+    "--state", "My card was charged twice, please refund.",
+    "--question", "team=choice:Which team?:billing=Charges,engineering=Bugs,other",
+    "--question", "urgent=noul:Is it urgent?",
+    "--question", "urgency=score:How urgent: really?:Low,Normal,High",
+]
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_question_specs_cover_all_three_types():
+    assert parse_question_spec("urgent=noul:Is it urgent?") == ("urgent", {"type": "noul", "instructions": "Is it urgent?"})
+    assert parse_question_spec("team=choice:Which team?:billing=Charges,engineering=Bugs,other") == (
+        "team",
+        {"type": "choice", "instructions": "Which team?", "criteria": {"billing": "Charges", "engineering": "Bugs", "other": None}},
+    )
+    assert parse_question_spec("u=score:How: urgent?:Low,High") == (
+        "u",
+        {"type": "score", "instructions": "How: urgent?", "criteria": ["Low", "High"]},
+    )
+
+
+def test_answer_json_from_flags(capsys, tiny_dir):
+    code, out, err = run(capsys, "answer", "--model", str(tiny_dir), "--json", "--timings", *FLAGS)
+    assert code == 0, err
+    body = json.loads(out)
+    assert list(body["answers"]) == ["team", "urgent", "urgency"]
+    assert list(body["answers"]["team"]["probabilities"]) == ["billing", "engineering", "other"]
+    assert abs(sum(body["answers"]["team"]["probabilities"].values()) - 1) < 2e-3
+    assert set(body["timings"]) >= {"tokenize_ms", "decoder_ms", "head_ms", "total_ms"}
+
+
+def test_answer_table_from_a_file(capsys, tiny_dir, tmp_path):
+    request = {"model": "clef-flash", "state": {"ticket": "refund please"}, "questions": {"refund": {"type": "noul", "instructions": "Refund?"}}}
+    path = tmp_path / "request.json"
+    path.write_text(json.dumps(request))
+    code, out, err = run(capsys, "answer", "--model", str(tiny_dir), "--table", "--timings", str(path))
+    assert code == 0, err
+    assert "random weights" in out
+    assert "refund  (noul)" in out and "true" in out and "█" in out
+    assert "decoder" in out and "ms" in out
+
+
+def test_render_marks_spans_and_counts_tokens(capsys, tiny_dir):
+    code, out, err = run(capsys, "render", "--model", str(tiny_dir), *FLAGS)
+    assert code == 0, err
+    assert "⟦Q team:Which team?⟧" in out
+    assert '⟦O billing:{"description":"Charges","option_id":"billing"}⟧' in out
+    assert "STATE:\nMy card was charged twice" in out
+    assert "tokens: prefix 36, state" in err and "of 65536" in err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["answer", "--model", "/no/such/dir", *FLAGS], "no model at '/no/such/dir'"),
+        (["answer", "--question", "team=choose:x:a,b", "--state", "s"], "bad --question 'team=choose:x:a,b'"),
+        (["answer", "--question", "team=choice:Which?", "--state", "s"], "needs its options"),
+        (["answer", "--state", "s"], "add at least one --question"),
+        (["answer", "--question", "team=choice:Which?:a", "--state", "s"], "body.questions.team.criteria"),
+        (["render", "--max-length", "50", *FLAGS], "over the limit of 50"),
+    ],
+)
+def test_errors_are_one_clear_line(capsys, tiny_dir, argv, message):
+    if "--model" not in argv:
+        argv = [*argv, "--model", str(tiny_dir)]
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    assert message in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_tiny_command_writes_a_loadable_release(tmp_path):
+    out = tmp_path / "tiny"
+    result = subprocess.run([sys.executable, "-m", "clef_flash.cli", "tiny", str(out)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    for name in ("config.json", "model.safetensors", "joint_head.safetensors", "joint_head_config.json", "tokenizer.json"):
+        assert (out / name).is_file()
+    assert json.loads((out / "config.json").read_text())["clef_flash_random"]["config"] == "tiny"
