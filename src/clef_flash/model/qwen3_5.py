@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import TextConfig
-from .ops.gated_delta_rule import causal_conv1d_silu, chunk_gated_delta_rule, compute_dtype, l2norm
+from .ops.gated_delta_rule import causal_conv1d_silu, compute_dtype, gated_delta_rule, l2norm
 
 __all__ = ["AttentionState", "DecoderState", "DeltaNetState", "Qwen35Decoder"]
 
@@ -224,7 +224,7 @@ class GatedDeltaNet(nn.Module):
         value = value.view(B, L, Hv, Dv)
         beta = self.in_proj_b(x).sigmoid()  # [B, L, Hv] model dtype, as HF
         g = -self.A_log.to(work).exp() * F.softplus(self.in_proj_a(x).to(work) + self.dt_bias.to(work))  # [B, L, Hv]
-        out, recurrent = chunk_gated_delta_rule(
+        out, recurrent = gated_delta_rule(
             query, key, value, g, beta, initial_state=None if state is None else state.recurrent
         )  # out [B, L, Hv, Dv] model dtype
         z = self.in_proj_z(x).view(B, L, Hv, Dv)

@@ -23,6 +23,8 @@ Conventions shared by both:
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 import torch.nn.functional as F
 
@@ -220,3 +222,44 @@ def causal_conv1d_silu(
     y = F.silu(y.to(x.dtype), inplace=True)
     new_state = padded[:, L:].transpose(1, 2) if return_state else None  # [B,C,K-1]
     return y, new_state
+
+
+@lru_cache(maxsize=1)
+def _fla_chunk_kernel():
+    """fla's Triton chunk kernel, when fla (and triton) are installed; None otherwise (never on CPU)."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+    except Exception:  # ImportError, or triton failing to find a driver
+        return None
+    return fla_chunk
+
+
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prefill delta rule: fla's chunk kernel on CUDA when installed, else `chunk_gated_delta_rule`.
+
+    Same contract as the twins above (q, k already l2-normalised and q scaled, so fla gets scale=1).
+    fla is handed q and k repeated to the value heads, as transformers does.
+    """
+    kernel = _fla_chunk_kernel() if q.is_cuda else None
+    if kernel is None:
+        return chunk_gated_delta_rule(q, k, v, g, beta, initial_state)
+    ratio = v.shape[2] // q.shape[2]
+    work = compute_dtype(q.dtype, v.dtype)
+    out, final_state = kernel(
+        q.repeat_interleave(ratio, dim=2).to(v.dtype),
+        k.repeat_interleave(ratio, dim=2).to(v.dtype),
+        v,
+        g=g.to(work),
+        beta=beta.to(v.dtype),
+        scale=1.0,
+        initial_state=None if initial_state is None else initial_state.to(work),
+        output_final_state=True,
+    )
+    return out.to(v.dtype), final_state.to(work)
