@@ -8,6 +8,7 @@ counts are those of qwen35.md §1.
 
 from __future__ import annotations
 
+import dataclasses
 import filecmp
 import json
 import math
@@ -156,6 +157,34 @@ def test_tensor_table_is_transformers_state_dict(which):
     theirs = [(name, tuple(value.shape)) for name, value in model.state_dict().items()]
     ours = [(spec.name, spec.shape) for spec in tensor_table(which, mtp=False)]
     assert ours == theirs
+
+
+@pytest.mark.parametrize("which", ["tiny", "9b-heads", "9b-part", "9b"])
+def test_configs_read_back_as_the_runtime_configs(which):
+    """config.json and joint_head_config.json load, through the runtime's readers, as the very
+    TextConfig and HeadConfig the release was built from (they are the runtime's classes)."""
+    from clef_flash import testing
+    from clef_flash.model.config import QWEN3_5_9B, TextConfig
+    from clef_flash.model.joint_head import HeadConfig
+
+    assert testing.TextConfig is TextConfig and testing.HeadConfig is HeadConfig
+    config = RANDOM_CONFIGS[which]
+    written = json.loads(json.dumps(release_config(config)))
+    assert TextConfig.from_release_config(written) == config.text
+    assert HeadConfig.from_dict(json.loads(json.dumps(config.head_config()))) == config.head
+    # Every config keeps the 9B's vocabulary, special tokens and RoPE.
+    for name in ("vocab_size", "eos_token_id", "pad_token_id", "rope_theta", "max_position_embeddings"):
+        assert getattr(config.text, name) == getattr(QWEN3_5_9B, name), name
+    if which == "9b":
+        assert config.text == QWEN3_5_9B
+
+
+def test_random_config_rejects_a_head_of_another_width():
+    from clef_flash.testing import RandomConfig
+
+    tiny = RANDOM_CONFIGS["tiny"]
+    with pytest.raises(ValueError, match="hidden_size 32 is not the decoder's 64"):
+        RandomConfig("bad", tiny.text, dataclasses.replace(tiny.head, hidden_size=32))
 
 
 def test_9b_parameter_counts_are_those_of_qwen35_md():

@@ -1,11 +1,14 @@
-"""Test support: the real Qwen3.5 vocabulary and random releases in the release layout."""
+"""Test support: the real Qwen3.5 vocabulary and random releases in the release layout.
 
+`TextConfig` and `HeadConfig` are the runtime's own (`clef_flash.model`), re-exported for building a
+`RandomConfig`."""
+
+from ..model.config import TextConfig
+from ..model.joint_head import HeadConfig
 from .release import (
     RANDOM_CONFIGS,
-    HeadConfig,
     RandomConfig,
     TensorSpec,
-    TextConfig,
     VisionConfig,
     head_tensor_table,
     release_config,

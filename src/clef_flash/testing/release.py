@@ -34,11 +34,13 @@ import shutil
 import struct
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 
+from ..model.config import QWEN3_5_9B, TextConfig
+from ..model.joint_head import HeadConfig
 from .vocab import BUILDER_VERSION as VOCAB_BUILDER_VERSION
 from .vocab import VOCAB_ROWS, write_tokenizer_files
 from .vocab import cache_dir as default_cache_dir
@@ -63,40 +65,6 @@ Progress = Callable[[int, int], None]  # (bytes written so far, total bytes)
 
 
 @dataclass(frozen=True)
-class TextConfig:
-    """The decoder part of `config.json` (`text_config`); defaults are the Qwen3.5-9B values."""
-
-    hidden_size: int = 4096
-    intermediate_size: int = 12288
-    num_hidden_layers: int = 32
-    num_attention_heads: int = 16
-    num_key_value_heads: int = 4
-    head_dim: int = 256
-    linear_num_key_heads: int = 16
-    linear_num_value_heads: int = 32
-    linear_key_head_dim: int = 128
-    linear_value_head_dim: int = 128
-    linear_conv_kernel_dim: int = 4
-    full_attention_interval: int = 4
-    vocab_size: int = VOCAB_ROWS
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 1e7
-    partial_rotary_factor: float = 0.25
-    mrope_section: tuple[int, int, int] = (11, 11, 10)
-    max_position_embeddings: int = 262144
-    mtp_num_hidden_layers: int = 1
-
-    @property
-    def layer_types(self) -> list[str]:
-        """Layer i is full attention iff (i+1) % interval == 0: 3 DeltaNet + 1 attention, repeated."""
-        interval = self.full_attention_interval
-        return [
-            "full_attention" if (index + 1) % interval == 0 else "linear_attention"
-            for index in range(self.num_hidden_layers)
-        ]
-
-
-@dataclass(frozen=True)
 class VisionConfig:
     """`vision_config`: a deliberately small tower (the runtime is text-only and ignores it)."""
 
@@ -112,61 +80,63 @@ class VisionConfig:
 
 
 @dataclass(frozen=True)
-class HeadConfig:
-    """`joint_head_config.json` without hidden_size (which is the decoder's)."""
-
-    width: int = 1024
-    routing_layers: int = 2
-    layers: int = 4
-    heads: int = 16
-    feedforward: int = 4096
-
-
-@dataclass(frozen=True)
 class RandomConfig:
+    """A random release: the decoder (`text_config`, the runtime's `TextConfig`), the joint head
+    (`joint_head_config.json`, the runtime's `HeadConfig`) and a small vision tower. `mtp_layers` is
+    config.json's `mtp_num_hidden_layers`, which the runtime's `TextConfig` does not read."""
+
     name: str
     text: TextConfig
     head: HeadConfig
     vision: VisionConfig = field(default_factory=VisionConfig)
+    mtp_layers: int = 1
+
+    def __post_init__(self) -> None:
+        if self.head.hidden_size != self.text.hidden_size:
+            raise ValueError(
+                f"random config {self.name!r}: the head's hidden_size {self.head.hidden_size} is not "
+                f"the decoder's {self.text.hidden_size}"
+            )
+        if self.text.tie_word_embeddings:
+            raise ValueError(f"random config {self.name!r}: random releases have a separate lm_head (untied)")
 
     def head_config(self) -> dict[str, int]:
         """The contents of `joint_head_config.json`: the reference `JointSchemaHead(**config)`."""
-        return {
-            "hidden_size": self.text.hidden_size,
-            "width": self.head.width,
-            "routing_layers": self.head.routing_layers,
-            "layers": self.head.layers,
-            "heads": self.head.heads,
-            "feedforward": self.head.feedforward,
-        }
+        return asdict(self.head)
 
 
-#: The 9B sizes with 4 layers (one 3×DeltaNet + attention block).
-_9B_PART_TEXT = TextConfig(num_hidden_layers=4)
+def _text(**sizes: int) -> TextConfig:
+    """The Qwen3.5-9B decoder (`QWEN3_5_9B`: real vocabulary, special tokens and RoPE) with other sizes;
+    layer_types are derived again from the new depth."""
+    return replace(QWEN3_5_9B, vocab_size=VOCAB_ROWS, layer_types=(), **sizes)
+
+
+#: The reference clef-flash head (`joint_head_config.json` of the real release).
+_REAL_HEAD = HeadConfig(hidden_size=4096, width=1024, routing_layers=2, layers=4, heads=16, feedforward=4096)
 
 RANDOM_CONFIGS: dict[str, RandomConfig] = {
     # Everything small; the real vocabulary (248,320 embedding rows) is kept in every config.
     "tiny": RandomConfig(
         "tiny",
-        TextConfig(
+        _text(
             hidden_size=64, intermediate_size=128, num_hidden_layers=4,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             linear_num_key_heads=2, linear_num_value_heads=4,
             linear_key_head_dim=16, linear_value_head_dim=16,
         ),
-        HeadConfig(width=32, routing_layers=2, layers=2, heads=4, feedforward=64),
+        HeadConfig(hidden_size=64, width=32, routing_layers=2, layers=2, heads=4, feedforward=64),
     ),
     # The 9B per-head sizes (head_dim 256, 16/4 attention heads, 16/32 DeltaNet heads of 128) on a
-    # narrow residual stream: exercises the real kernel shapes at a fraction of the cost.
+    # narrow residual stream, 4 layers: exercises the real kernel shapes at a fraction of the cost.
     "9b-heads": RandomConfig(
         "9b-heads",
-        replace(_9B_PART_TEXT, hidden_size=256, intermediate_size=512),
-        HeadConfig(width=64, routing_layers=2, layers=2, heads=4, feedforward=128),
+        _text(num_hidden_layers=4, hidden_size=256, intermediate_size=512),
+        HeadConfig(hidden_size=256, width=64, routing_layers=2, layers=2, heads=4, feedforward=128),
     ),
-    # Full 9B layer sizes, 4 layers (~5.8 GB of bf16), the real head.
-    "9b-part": RandomConfig("9b-part", _9B_PART_TEXT, HeadConfig()),
+    # Full 9B layer sizes, 4 layers (one 3×DeltaNet + attention block; ~5.8 GB of bf16), the real head.
+    "9b-part": RandomConfig("9b-part", _text(num_hidden_layers=4), _REAL_HEAD),
     # The full Qwen3.5-9B (qwen35.md §1, ~19 GB of bf16), the real head.
-    "9b": RandomConfig("9b", TextConfig(), HeadConfig()),
+    "9b": RandomConfig("9b", QWEN3_5_9B, _REAL_HEAD),
 }
 
 
@@ -188,7 +158,8 @@ def release_config(
     config: RandomConfig, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16, mtp: bool = True
 ) -> dict:
     """`config.json`: the fields `Qwen3_5ForConditionalGeneration.save_pretrained` writes, plus
-    `clef_flash_random` (so tools can label outputs as random) and `mtp_num_hidden_layers`."""
+    `clef_flash_random` (so tools can label outputs as random) and `mtp_num_hidden_layers`.
+    Its `text_config` reads back as `config.text` (`TextConfig.from_release_config`)."""
     text, vision = config.text, config.vision
     return {
         "architectures": ["Qwen3_5ForConditionalGeneration"],
@@ -197,16 +168,16 @@ def release_config(
         "image_token_id": IMAGE_PAD_ID,
         "model_type": "qwen3_5",
         "text_config": {
-            "attention_bias": False,
+            "attention_bias": text.attention_bias,
             "attention_dropout": 0.0,
             "bos_token_id": None,
-            "eos_token_id": ENDOFTEXT_ID,
+            "eos_token_id": text.eos_token_id,
             "head_dim": text.head_dim,
-            "hidden_act": "silu",
+            "hidden_act": text.hidden_act,
             "hidden_size": text.hidden_size,
             "initializer_range": 0.02,
             "intermediate_size": text.intermediate_size,
-            "layer_types": text.layer_types,
+            "layer_types": list(text.layer_types),
             "linear_conv_kernel_dim": text.linear_conv_kernel_dim,
             "linear_key_head_dim": text.linear_key_head_dim,
             "linear_num_key_heads": text.linear_num_key_heads,
@@ -214,20 +185,20 @@ def release_config(
             "linear_value_head_dim": text.linear_value_head_dim,
             "max_position_embeddings": text.max_position_embeddings,
             "model_type": "qwen3_5_text",
-            "mtp_num_hidden_layers": text.mtp_num_hidden_layers if mtp else 0,
+            "mtp_num_hidden_layers": config.mtp_layers if mtp else 0,
             "num_attention_heads": text.num_attention_heads,
             "num_hidden_layers": text.num_hidden_layers,
             "num_key_value_heads": text.num_key_value_heads,
-            "pad_token_id": ENDOFTEXT_ID,
+            "pad_token_id": text.pad_token_id,
             "rms_norm_eps": text.rms_norm_eps,
             "rope_parameters": {
-                "mrope_interleaved": True,
+                "mrope_interleaved": text.mrope_interleaved,
                 "mrope_section": list(text.mrope_section),
                 "partial_rotary_factor": text.partial_rotary_factor,
                 "rope_theta": text.rope_theta,
-                "rope_type": "default",
+                "rope_type": text.rope_type,
             },
-            "tie_word_embeddings": False,
+            "tie_word_embeddings": text.tie_word_embeddings,
             "use_cache": True,
             "vocab_size": text.vocab_size,
         },
@@ -298,9 +269,8 @@ def _decoder_layer(prefix: str, text: TextConfig, layer_type: str, residual_gain
     d = text.hidden_size
     specs: list[TensorSpec] = []
     if layer_type == "linear_attention":
-        key_dim = text.linear_num_key_heads * text.linear_key_head_dim
-        value_dim = text.linear_num_value_heads * text.linear_value_head_dim
-        conv_dim = 2 * key_dim + value_dim  # [q | k | v] channels
+        value_dim = text.linear_value_dim
+        conv_dim = text.linear_conv_dim  # [q | k | v] channels
         heads = text.linear_num_value_heads
         kernel = text.linear_conv_kernel_dim
         mixer = f"{prefix}.linear_attn"
@@ -398,7 +368,7 @@ def tensor_table(config: str | RandomConfig, *, mtp: bool = True) -> list[Tensor
     if mtp:
         # Qwen3.5's multi-token-prediction block (as vLLM reads it); transformers ignores `mtp.*`.
         specs.append(_linear("mtp.fc.weight", d, 2 * d))
-        for index in range(text.mtp_num_hidden_layers):
+        for index in range(config.mtp_layers):
             specs += _decoder_layer(f"mtp.layers.{index}", text, "full_attention", residual_gain)
         specs += [
             TensorSpec("mtp.norm.weight", (d,), NORM_OFFSET),
