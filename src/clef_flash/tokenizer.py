@@ -112,6 +112,20 @@ class _WordIds(dict):
         return ids
 
 
+def _merge_like_the_reference(backend) -> None:
+    """Always run BPE merges, as the reference's tokenizer does.
+
+    transformers' `Qwen3_5Tokenizer` (what the reference `encode_record` is called with) rebuilds the
+    BPE model from the file's vocabulary and merges without `ignore_merges`. With `ignore_merges` on, a
+    pre-token that is itself a vocabulary entry would map to it directly, and about 200 Qwen3.5 tokens
+    that merges never reach (e.g. "俱乐部") would then differ from the reference.
+    """
+    from tokenizers.models import BPE
+
+    if isinstance(backend.model, BPE) and backend.model.ignore_merges:
+        backend.model.ignore_merges = False
+
+
 def _state(component) -> dict | None:
     return None if component is None else json.loads(component.__getstate__())
 
@@ -236,6 +250,7 @@ class Tokenizer:
         self._backend = backend
         backend.no_truncation()
         backend.no_padding()
+        _merge_like_the_reference(backend)
         #: Why the fast path is off (None when it is on).
         self.fast_path_blocker = fast_path_blocker(backend) if fast_path else "switched off"
         self._fast = _FastPath(backend) if self.fast_path_blocker is None else None
