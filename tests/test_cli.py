@@ -70,6 +70,7 @@ def test_render_marks_spans_and_counts_tokens(capsys, tiny_dir):
     "argv, message",
     [
         (["answer", "--model", "/no/such/dir", *FLAGS], "no model at '/no/such/dir'"),
+        (["answer", "--model", "Cloudflare/clef-flash", *FLAGS], "Point --model at a local copy"),
         (["answer", "--question", "team=choose:x:a,b", "--state", "s"], "bad --question 'team=choose:x:a,b'"),
         (["answer", "--question", "team=choice:Which?", "--state", "s"], "needs its options"),
         (["answer", "--state", "s"], "add at least one --question"),

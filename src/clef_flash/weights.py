@@ -63,7 +63,9 @@ def _download(repo_id: str, revision: str | None) -> Path:
     except Exception as exc:  # hub errors come in many classes; all mean "not here"
         offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
         hint = (
-            "the hub is offline (HF_HUB_OFFLINE is set)" if offline else f"downloading it failed ({type(exc).__name__}: {exc})"
+            "the hub is offline (HF_HUB_OFFLINE is set)"
+            if offline
+            else f"downloading it failed ({type(exc).__name__}: {' '.join(str(exc).split())[:300]})"
         )
         raise ModelSourceError(
             f"cannot get {repo_id!r}{'@' + revision if revision else ''} from the Hugging Face hub: {hint}. "
