@@ -140,3 +140,21 @@ def test_answers_are_system_one_bodies(ours):
     assert body["usage"]["output_tokens"] == 0 and body["usage"]["input_tokens"] > 0
     timings = model.last_timings.as_dict()
     assert {"tokenize_ms", "decoder_ms", "head_ms", "total_ms"} <= set(timings)
+
+
+def test_answer_many_names_the_invalid_request(ours):
+    model = ours("tiny")
+    valid = requests_for("tiny")[0]
+    invalid = {"state": "x", "questions": {"team": {"type": "choice", "criteria": {"only": None}}}}
+    with pytest.raises(clef_flash.RequestInvalid) as caught:
+        model.answer_many([valid, invalid])
+    assert caught.value.errors[0]["loc"][:3] == ["body", 1, "questions"]
+    assert model.answer_many([]) == []
+
+
+def test_over_length_request_is_refused_before_inference(tiny_dir):
+    model = clef_flash.load(tiny_dir, device="cpu", precision="fp32", max_length=100)
+    with pytest.raises(clef_flash.RecordTooLong) as caught:
+        model.answer({"state": "word " * 200, "questions": {"q": {"type": "noul"}}})
+    assert caught.value.limit == 100 and caught.value.token_count > 100
+    assert model.last_timings.forwards == 0

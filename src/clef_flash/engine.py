@@ -187,12 +187,12 @@ class Clef:
 
     def logits(self, request: Any) -> dict[str, dict[str, float]]:
         """Unrounded logits per question and option (options in the model's order)."""
-        (results,) = self._run([request])[1]
+        (results,) = self._run([request])[2]
         return {result.question_id: dict(zip(result.option_ids, result.logits)) for result in results}
 
     def probabilities(self, request: Any) -> dict[str, dict[str, float]]:
         """Unrounded float32 softmax probabilities per question and option."""
-        (results,) = self._run([request])[1]
+        (results,) = self._run([request])[2]
         return {result.question_id: dict(zip(result.option_ids, result.probabilities)) for result in results}
 
     def answer(self, request: Any, *, decimals: int | None = 4) -> dict[str, Any]:
@@ -201,19 +201,22 @@ class Clef:
 
     def answer_many(self, requests: Sequence[Any], *, decimals: int | None = 4) -> list[dict[str, Any]]:
         """System One response bodies for many requests, batched into as few forwards as fit."""
-        parsed, results = self._run(requests)
+        parsed, records, results = self._run(requests)
         return [
             shape_response(
                 request,
                 [(result.option_ids, result.probabilities) for result in per_question],
-                input_tokens=record_tokens,
+                input_tokens=record.token_count,
                 decimals=decimals,
                 default_model=self.model_name,
             )
-            for request, per_question, record_tokens in zip(parsed, results, self._last_token_counts)
+            for request, per_question, record in zip(parsed, results, records)
         ]
 
-    def _run(self, requests: Sequence[Any]) -> tuple[list[SystemOneRequest], list[list[QuestionResult]]]:
+    def _run(
+        self, requests: Sequence[Any]
+    ) -> tuple[list[SystemOneRequest], list[EncodedRecord], list[list[QuestionResult]]]:
+        """Validate and encode every request (errors name the request's position), then score them all."""
         timings = Timings()
         start = time.perf_counter()
         parsed, records = [], []
@@ -232,8 +235,7 @@ class Clef:
         results = self.score(records, timings) if records else []
         timings.total_ms = (time.perf_counter() - start) * 1000
         self.last_timings = timings
-        self._last_token_counts = [record.token_count for record in records]
-        return parsed, results
+        return parsed, records, results
 
 
 def load(
