@@ -1,6 +1,7 @@
 """Whole-record latency: clef-flash beside the reference path (transformers + the authors' head), same run.
 
     python benchmarks/model.py [--config 9b-part] [--precisions fp32,bf16] [--repeats 3] [--rounds 2]
+    python benchmarks/model.py --profile bf16      # where our time goes: ops by self time, and stage timings
 
 A ~370-token record with 3 questions on a random release (default: one 4-layer "part" of the 9B model,
 hidden 4096, full vocabulary; written once to --release-dir, 6.4 GB). Each implementation runs in its
@@ -67,6 +68,20 @@ def run_one(args) -> None:
                       "load_s": load_s, "peak_rss_mb": peak_rss_mb(), "logits": logits}))
 
 
+def profile_ours(root: Path, precision: str) -> None:
+    """Our record in the torch profiler: the share of each op, and tokenize / decoder / head times."""
+    import clef_flash
+    from torch.profiler import ProfilerActivity, profile
+
+    model = clef_flash.load(root, device="cpu", precision=precision)
+    request = typical_request()
+    model.logits(request)  # warm-up
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        model.logits(request)
+    print(f"stage timings (ms): {model.last_timings.as_dict()}")
+    print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+
+
 def matmul_rate(precision: str) -> float:
     """GFLOP/s of a 4096-square matmul in this dtype on this machine, now."""
     import torch
@@ -85,11 +100,15 @@ def main() -> None:
     parser.add_argument("--precisions", default="fp32,bf16")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--profile", choices=["fp32", "bf16"], help="profile our path in this precision instead")
     parser.add_argument("--impl", choices=["ours", "reference"], help=argparse.SUPPRESS)
     parser.add_argument("--precision", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.impl:
         run_one(args)
+        return
+    if args.profile:
+        profile_ours(Path(args.release_dir), args.profile)
         return
 
     from clef_flash.model.config import TextConfig

@@ -77,7 +77,6 @@ class ReferenceModel:
     def __init__(self, reference, root: Path, dtype):
         import json
 
-        import torch
         import transformers
         from safetensors.torch import load_file
 

@@ -139,7 +139,7 @@ def command_answer(args: argparse.Namespace) -> int:
     request = read_request(args)
     model = load(args.model, device=args.device, precision=args.precision, revision=args.revision)
     body = model.answer(request)
-    if args.json or not sys.stdout.isatty() and not args.table:
+    if args.json or (not sys.stdout.isatty() and not args.table):
         output = dict(body)
         if args.timings:
             output = {**output, "timings": model.last_timings.as_dict()}

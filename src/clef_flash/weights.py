@@ -10,16 +10,20 @@ memory-mapped files, so loading never holds two copies of the weights.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
 
 from .errors import ModelSourceError, WeightsError
+
+if TYPE_CHECKING:
+    from .tokenizer import Tokenizer
 
 DECODER_PREFIX = "model.language_model."
 LM_HEAD = "lm_head.weight"
@@ -163,10 +167,13 @@ def fill_module(
     module: nn.Module,
     tensors: Iterator[tuple[str, torch.Tensor]],
     *,
-    dtype_of: "callable",
+    dtype_of: Callable[[str], torch.dtype],
     device: torch.device,
 ) -> None:
-    """Assign tensors (name relative to `module`) into a meta-device module, one at a time."""
+    """Assign tensors (name relative to `module`) into a meta-device module.
+
+    Each tensor is read from its memory map and converted on its own, so the weights exist once.
+    """
     state = {}
     for name, tensor in tensors:
         state[name] = tensor.to(device=device, dtype=dtype_of(name))
@@ -175,8 +182,6 @@ def fill_module(
 
 def config_fingerprint(config: dict) -> str:
     """SHA-256 of the canonical JSON of a config (what /health reports)."""
-    import hashlib
-
     canonical = json.dumps(config, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(canonical.encode()).hexdigest()
 
@@ -204,7 +209,7 @@ class Release:
     decoder: nn.Module  # Qwen35Decoder
     head: nn.Module  # JointHead (fp32)
     lm_head: torch.Tensor  # [V, D] output embeddings, as stored (rows gathered by the head)
-    tokenizer: object  # clef_flash.tokenizer.Tokenizer
+    tokenizer: "Tokenizer"
 
     @property
     def fingerprint(self) -> str:
