@@ -15,7 +15,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Protocol
 
 import torch
 from torch import nn
@@ -204,7 +204,7 @@ def decoder_dtype_of(name: str, compute_dtype: torch.dtype) -> torch.dtype:
 class Release:
     """The parts of a release the runtime uses, ready on `device`."""
 
-    root: Path
+    root: Path | None  # None when built from tensors in memory
     config: dict  # config.json as read
     decoder: nn.Module  # Qwen35Decoder
     head: nn.Module  # JointHead (fp32)
@@ -216,52 +216,90 @@ class Release:
         return config_fingerprint(self.config)
 
 
+class TensorSource(Protocol):
+    """Named tensors by name: safetensors files, a bundle, or tensors drawn on demand (testing)."""
+
+    def keys(self) -> set[str]: ...
+
+    def shape(self, name: str) -> tuple[int, ...]: ...
+
+    def get(self, name: str) -> torch.Tensor: ...
+
+
 def load_release(root: Path, *, device: torch.device, dtype: torch.dtype) -> Release:
     """Strictly load the decoder, output embeddings, head and tokenizer of a release directory."""
-    from .model.config import TextConfig
-    from .model.joint_head import HeadConfig, JointHead
-    from .model.qwen3_5 import Qwen35Decoder
     from .tokenizer import Tokenizer
 
     config = read_json(root / "config.json")
+    head_config = read_json(root / HEAD_CONFIG)
+    tokenizer = Tokenizer.from_file(root / "tokenizer.json")
+    if not (root / HEAD_WEIGHTS).is_file():
+        raise ModelSourceError(f"{root} is not a Clef release: {HEAD_WEIGHTS} is missing")
+    return build_release(
+        config,
+        head_config,
+        tokenizer,
+        SafetensorsFiles.of_release(root),
+        SafetensorsFiles([root / HEAD_WEIGHTS]),
+        device=device,
+        dtype=dtype,
+        root=root,
+    )
+
+
+def build_release(
+    config: dict,
+    head_config: dict,
+    tokenizer: "Tokenizer",
+    tensors: TensorSource,
+    head_tensors: TensorSource,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    root: Path | None = None,
+) -> Release:
+    """Build the modules on the meta device, check every name and shape, and fill them from the sources."""
+    from .model.config import TextConfig
+    from .model.joint_head import HeadConfig, JointHead
+    from .model.qwen3_5 import Qwen35Decoder
+
+    where = root if root is not None else "the model"
     try:
         text_config = TextConfig.from_release_config(config)
-        head_config = HeadConfig.from_dict(read_json(root / HEAD_CONFIG))
+        parsed_head_config = HeadConfig.from_dict(head_config)
     except (KeyError, TypeError, ValueError) as exc:
-        raise ModelSourceError(f"{root}: unsupported or malformed config: {exc}") from exc
-    if head_config.hidden_size != text_config.hidden_size:
+        raise ModelSourceError(f"{where}: unsupported or malformed config: {exc}") from exc
+    if parsed_head_config.hidden_size != text_config.hidden_size:
         raise ModelSourceError(
-            f"{root}: the head reads hidden size {head_config.hidden_size}, the decoder has {text_config.hidden_size}"
+            f"{where}: the head reads hidden size {parsed_head_config.hidden_size}, "
+            f"the decoder has {text_config.hidden_size}"
         )
-    tokenizer = Tokenizer.from_file(root / "tokenizer.json")
 
-    files = SafetensorsFiles.of_release(root)
     with torch.device("meta"):
         decoder = Qwen35Decoder(text_config)
-        head = JointHead(head_config)
+        head = JointHead(parsed_head_config)
     expected = module_shapes(decoder, DECODER_PREFIX)
     expected[LM_HEAD] = (text_config.vocab_size, text_config.hidden_size)
-    available = {name: files.shape(name) for name in files.keys()}
-    check_keys(expected, available).raise_if_any(f"{root} (model*.safetensors)")
+    available = {name: tensors.shape(name) for name in tensors.keys()}
+    check_keys(expected, available).raise_if_any(f"{where} (model*.safetensors)")
 
     fill_module(
         decoder,
-        ((name[len(DECODER_PREFIX):], files.get(name)) for name in expected if name != LM_HEAD),
+        ((name[len(DECODER_PREFIX):], tensors.get(name)) for name in expected if name != LM_HEAD),
         dtype_of=lambda name: decoder_dtype_of(name, dtype),
         device=device,
     )
-    lm_head = files.get(LM_HEAD).to(device)
+    lm_head = tensors.get(LM_HEAD).to(device)
 
-    if not (root / HEAD_WEIGHTS).is_file():
-        raise ModelSourceError(f"{root} is not a Clef release: {HEAD_WEIGHTS} is missing")
-    head_files = SafetensorsFiles([root / HEAD_WEIGHTS])
-    check_keys(module_shapes(head), {name: head_files.shape(name) for name in head_files.keys()}).raise_if_any(
-        f"{root / HEAD_WEIGHTS}"
+    check_keys(module_shapes(head), {name: head_tensors.shape(name) for name in head_tensors.keys()}).raise_if_any(
+        f"{where} ({HEAD_WEIGHTS})"
     )
     fill_module(
         head,
-        ((name, head_files.get(name)) for name in module_shapes(head)),
+        ((name, head_tensors.get(name)) for name in module_shapes(head)),
         dtype_of=lambda name: torch.float32,  # the head is small: always fp32
         device=device,
     )
-    return Release(root=root, config=config, decoder=decoder.eval(), head=head.eval(), lm_head=lm_head, tokenizer=tokenizer)
+    return Release(
+        root=root, config=config, decoder=decoder.eval(), head=head.eval(), lm_head=lm_head, tokenizer=tokenizer
+    )
