@@ -15,13 +15,17 @@ from typing import Any, Sequence
 
 import torch
 
+from .bundle import is_bundle, load_bundle
 from .errors import ClefError, RequestInvalid
 from .model.joint_head import build_head_batch, softmax_per_question, split_logits
+from .quant import DEFAULT_MODE
 from .protocol import DEFAULT_MODEL_NAME, SystemOneRequest, parse_request, shape_response
 from .records import DEFAULT_MAX_LENGTH, EncodedRecord, encode_record
 from .weights import Release, load_release, resolve_source
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
+# 8-bit weights (quant.py), by compute mode; "int8" is the default mode.
+INT8_PRECISIONS = {"int8": DEFAULT_MODE, "int8-weight-only": "weight-only", "int8-w8a8": "w8a8"}
 DEFAULT_BATCH_TOKENS = 8192  # padded tokens per decoder forward
 
 
@@ -61,15 +65,19 @@ def pick_device(device: str | torch.device) -> torch.device:
     return resolved
 
 
-def pick_dtype(precision: str | None, device: torch.device) -> torch.dtype:
-    """None: bf16 (the release's own dtype, and the fastest exact-enough path on CPU and CUDA)."""
+def pick_dtype(precision: str | None, device: torch.device) -> tuple[torch.dtype, str | None]:
+    """(compute dtype, int8 mode or None). None: bf16 (the release's own dtype).
+
+    8-bit weights compute in fp32 on CPU (bf16 arithmetic has no gain there without native bf16 units,
+    and fp32 activations keep the agreement) and in bf16 on CUDA.
+    """
     if precision is None:
-        return torch.bfloat16
-    if precision == "int8":
-        raise ClefError("precision 'int8' needs a converted 8-bit bundle, which this version cannot build yet; use fp32 or bf16")
+        return torch.bfloat16, None
+    if precision in INT8_PRECISIONS:
+        return (torch.bfloat16 if device.type == "cuda" else torch.float32), INT8_PRECISIONS[precision]
     if precision not in PRECISIONS:
-        raise ClefError(f"unknown precision {precision!r}: use one of {', '.join(PRECISIONS)} (or int8 with a bundle)")
-    return PRECISIONS[precision]
+        raise ClefError(f"unknown precision {precision!r}: use one of {', '.join([*PRECISIONS, *INT8_PRECISIONS])}")
+    return PRECISIONS[precision], None
 
 
 class Clef:
@@ -246,13 +254,27 @@ def load(
     revision: str | None = None,
     max_length: int = DEFAULT_MAX_LENGTH,
     batch_tokens: int = DEFAULT_BATCH_TOKENS,
+    verify: bool = False,
 ) -> Clef:
-    """Load a model: a release directory, a Hugging Face repo id, or "tiny" (random weights)."""
-    root = resolve_source(source, revision=revision)
+    """Load a model: a release or bundle directory, a Hugging Face repo id, or "tiny" (random weights).
+
+    A bundle (`clef-flash convert`) is int8 and memory-mapped; `verify` checks its files' sha256 first.
+    A release loads in fp32 or bf16, or as int8 (quantized while loading).
+    """
+    root = Path(resolve_source(source, revision=revision))
     resolved_device = pick_device(device)
-    dtype = pick_dtype(precision, resolved_device)
-    release = load_release(Path(root), device=resolved_device, dtype=dtype)
-    name = {value: key for key, value in PRECISIONS.items()}[dtype]
+    if is_bundle(root):
+        if precision is not None and precision not in INT8_PRECISIONS:
+            raise ClefError(
+                f"{root} is an 8-bit bundle: use precision int8 (or {', '.join(list(INT8_PRECISIONS)[1:])}); "
+                f"for {precision}, load the release it was converted from"
+            )
+        dtype, mode = pick_dtype(precision or "int8", resolved_device)
+        release = load_bundle(root, device=resolved_device, dtype=dtype, mode=mode, check=verify)
+    else:
+        dtype, mode = pick_dtype(precision, resolved_device)
+        release = load_release(root, device=resolved_device, dtype=dtype, quantization=mode)
+    name = {value: key for key, value in PRECISIONS.items()}[dtype] if mode is None else f"int8-{mode}"
     return Clef(
         release,
         device=resolved_device,

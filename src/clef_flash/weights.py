@@ -21,12 +21,18 @@ import torch
 from torch import nn
 
 from .errors import ModelSourceError, WeightsError
+from .quant import SCALE_SUFFIX, QuantizingSource, replace_linears
 
 if TYPE_CHECKING:
     from .tokenizer import Tokenizer
 
 DECODER_PREFIX = "model.language_model."
 LM_HEAD = "lm_head.weight"
+EMBEDDING = "embed_tokens.weight"  # relative to the decoder
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+    "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}  # safetensors' dtype codes
 IGNORED_PREFIXES = ("model.visual.", "mtp.")
 HEAD_WEIGHTS = "joint_head.safetensors"
 HEAD_CONFIG = "joint_head_config.json"
@@ -125,6 +131,10 @@ class SafetensorsFiles:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handles[self._location[name]].get_slice(name).get_shape())
 
+    def dtype(self, name: str) -> torch.dtype:
+        code = self._handles[self._location[name]].get_slice(name).get_dtype()
+        return SAFETENSORS_DTYPES[code]
+
     def get(self, name: str) -> torch.Tensor:
         return self._handles[self._location[name]].get_tensor(name)
 
@@ -167,7 +177,7 @@ def fill_module(
     module: nn.Module,
     tensors: Iterator[tuple[str, torch.Tensor]],
     *,
-    dtype_of: Callable[[str], torch.dtype],
+    dtype_of: Callable[[str], torch.dtype | None],
     device: torch.device,
 ) -> None:
     """Assign tensors (name relative to `module`) into a meta-device module.
@@ -176,7 +186,9 @@ def fill_module(
     """
     state = {}
     for name, tensor in tensors:
-        state[name] = tensor.to(device=device, dtype=dtype_of(name))
+        dtype = dtype_of(name) if tensor.dtype != torch.int8 else None  # 8-bit weights stay 8-bit
+        dtype = dtype or tensor.dtype  # None: as stored (e.g. a memory-mapped embedding table, never copied)
+        state[name] = tensor.to(device=device, dtype=dtype)
     module.load_state_dict(state, strict=True, assign=True)
 
 
@@ -194,8 +206,9 @@ HIGH_PRECISION_DECODER_PARAMETERS = ("A_log", "dt_bias")  # kept in fp32 whateve
 
 
 def decoder_dtype_of(name: str, compute_dtype: torch.dtype) -> torch.dtype:
-    """The dtype a decoder parameter is held in: fp32 for the DeltaNet decay parameters (at least)."""
-    if name.rsplit(".", 1)[-1] in HIGH_PRECISION_DECODER_PARAMETERS and compute_dtype != torch.float64:
+    """The dtype a decoder parameter is held in: fp32 for the DeltaNet decay parameters and int8 scales (at least)."""
+    last = name.rsplit(".", 1)[-1]
+    if (last in HIGH_PRECISION_DECODER_PARAMETERS or last.endswith(SCALE_SUFFIX)) and compute_dtype != torch.float64:
         return torch.float32
     return compute_dtype
 
@@ -223,11 +236,18 @@ class TensorSource(Protocol):
 
     def shape(self, name: str) -> tuple[int, ...]: ...
 
+    def dtype(self, name: str) -> torch.dtype: ...
+
     def get(self, name: str) -> torch.Tensor: ...
 
 
-def load_release(root: Path, *, device: torch.device, dtype: torch.dtype) -> Release:
-    """Strictly load the decoder, output embeddings, head and tokenizer of a release directory."""
+def load_release(
+    root: Path, *, device: torch.device, dtype: torch.dtype, quantization: str | None = None
+) -> Release:
+    """Strictly load the decoder, output embeddings, head and tokenizer of a release directory.
+
+    `quantization` (an int8 mode): the decoder projections are quantized while loading, tensor by tensor.
+    """
     from .tokenizer import Tokenizer
 
     config = read_json(root / "config.json")
@@ -239,11 +259,12 @@ def load_release(root: Path, *, device: torch.device, dtype: torch.dtype) -> Rel
         config,
         head_config,
         tokenizer,
-        SafetensorsFiles.of_release(root),
+        QuantizingSource(SafetensorsFiles.of_release(root)) if quantization else SafetensorsFiles.of_release(root),
         SafetensorsFiles([root / HEAD_WEIGHTS]),
         device=device,
         dtype=dtype,
         root=root,
+        quantization=quantization,
     )
 
 
@@ -257,8 +278,15 @@ def build_release(
     device: torch.device,
     dtype: torch.dtype,
     root: Path | None = None,
+    quantization: str | None = None,
 ) -> Release:
-    """Build the modules on the meta device, check every name and shape, and fill them from the sources."""
+    """Build the modules on the meta device, check every name and shape, and fill them from the sources.
+
+    `dtype` is the compute dtype. With `quantization` (an int8 mode) the decoder's projections are
+    `Int8Linear`s filled from a source that holds int8 weights and their scales (a bundle, or a
+    `QuantizingSource`), and the input embeddings keep their stored 16-bit dtype: rows are gathered
+    from the (memory-mapped) table and cast to `dtype`.
+    """
     from .model.config import TextConfig
     from .model.joint_head import HeadConfig, JointHead
     from .model.qwen3_5 import Qwen35Decoder
@@ -278,6 +306,9 @@ def build_release(
     with torch.device("meta"):
         decoder = Qwen35Decoder(text_config)
         head = JointHead(parsed_head_config)
+    if quantization:
+        replace_linears(decoder, quantization)
+        decoder.activation_dtype = dtype
     expected = module_shapes(decoder, DECODER_PREFIX)
     expected[LM_HEAD] = (text_config.vocab_size, text_config.hidden_size)
     available = {name: tensors.shape(name) for name in tensors.keys()}
@@ -286,7 +317,7 @@ def build_release(
     fill_module(
         decoder,
         ((name[len(DECODER_PREFIX):], tensors.get(name)) for name in expected if name != LM_HEAD),
-        dtype_of=lambda name: decoder_dtype_of(name, dtype),
+        dtype_of=lambda name: None if quantization and name == EMBEDDING else decoder_dtype_of(name, dtype),
         device=device,
     )
     lm_head = tensors.get(LM_HEAD).to(device)

@@ -280,10 +280,13 @@ class Qwen35Decoder(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, layer_type) for layer_type in config.layer_types)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # The activations' dtype when it differs from the embedding table's (an 8-bit model keeps a 16-bit
+        # table and computes in fp32 or bf16); None: the table's dtype.
+        self.activation_dtype: torch.dtype | None = None
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
+        return self.activation_dtype or self.embed_tokens.weight.dtype
 
     def forward(
         self,
@@ -300,7 +303,7 @@ class Qwen35Decoder(nn.Module):
         """
         B, L = input_ids.shape
         past = 0 if state is None else state.length
-        x = self.embed_tokens(input_ids)  # [B, L, D]
+        x = self.embed_tokens(input_ids).to(self.dtype)  # [B, L, D]
         cos, sin = rotary_cos_sin(self.config, past, L, x.dtype, x.device)
         layer_states = [None] * len(self.layers) if state is None else state.layers
         new_states = []
