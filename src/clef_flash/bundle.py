@@ -288,7 +288,7 @@ def convert(
             "precision": precision,
             "scheme": {
                 "weights": SCHEME,
-                "quantized": "decoder projections (*_proj.weight, 2-D)",
+                "quantized": "decoder projections (*_proj.weight, in_proj_*.weight; 2-D)",
                 "kept_high_precision": list(quant.KEPT_HIGH_PRECISION) + ["norms", "conv1d", "A_log", "dt_bias"],
                 "embeddings": str(EMBEDDING_DTYPE).removeprefix("torch."),
                 "head": "float32",

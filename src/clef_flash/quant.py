@@ -2,7 +2,7 @@
 
 Scheme: symmetric int8, one fp32 scale per output channel, `w ~ q * scale[:, None]`, `|q| <= 127`.
 What is quantized is one explicit predicate, `is_quantized`: the decoder's 2-D projection weights
-(`*_proj.weight`), except `KEPT_HIGH_PRECISION`. Everything else stays as stored: norms, the
+(`*_proj.weight`, `in_proj_*.weight`), except `KEPT_HIGH_PRECISION`. Everything else stays as stored: norms, the
 depthwise conv, `A_log`, `dt_bias`; the input embeddings are 16-bit and gathered by row; the head and
 the output-embedding rows it reads are never quantized.
 
@@ -37,7 +37,10 @@ TILE_ELEMENTS = 1 << 22  # weight elements dequantized at once in weight-only mo
 def is_quantized(name: str, shape: tuple[int, ...], keep: tuple[str, ...] | None = None) -> bool:
     """The predicate: 2-D decoder projection weights are int8, except `keep` (default KEPT_HIGH_PRECISION)."""
     keep = KEPT_HIGH_PRECISION if keep is None else keep
-    return name.endswith("_proj.weight") and len(shape) == 2 and not name.endswith(keep)
+    module, _, leaf = name.rpartition(".")
+    projection = module.rpartition(".")[2]  # q_proj, down_proj, in_proj_qkv, in_proj_z, out_proj, ...
+    is_projection = projection.endswith("_proj") or projection.startswith("in_proj_")
+    return leaf == "weight" and is_projection and len(shape) == 2 and not name.endswith(keep)
 
 
 def quantize_per_channel(weight: torch.Tensor, rows_at_once: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
