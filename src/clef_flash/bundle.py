@@ -158,6 +158,48 @@ class MappedSafetensors:
         return self._bytes[begin:end].view(dtype).view(entry["shape"])
 
 
+class StreamedSafetensors:
+    """The tensors of a release's safetensors files, each read with plain file reads when asked for.
+
+    For conversion: a memory map would leave every page read in the process's resident set until the
+    kernel reclaims it; a read into a fresh buffer is freed with the tensor, so memory stays one tensor deep.
+    """
+
+    def __init__(self, files: Iterable[Path]):
+        self._entries: dict[str, tuple[Path, int, dict]] = {}
+        for path in files:
+            data_start, header = read_safetensors_header(path)
+            header.pop("__metadata__", None)
+            for name, entry in header.items():
+                self._entries[name] = (path, data_start, entry)
+
+    @classmethod
+    def of_release(cls, root: Path) -> StreamedSafetensors:
+        from .weights import SafetensorsFiles
+
+        return cls(SafetensorsFiles.release_files(root))
+
+    def keys(self) -> set[str]:
+        return set(self._entries)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._entries[name][2]["shape"])
+
+    def dtype(self, name: str) -> torch.dtype:
+        return SAFETENSORS_DTYPES[self._entries[name][2]["dtype"]]
+
+    def get(self, name: str) -> torch.Tensor:
+        path, data_start, entry = self._entries[name]
+        begin, end = entry["data_offsets"]
+        buffer = bytearray(end - begin)
+        with open(path, "rb") as file:
+            file.seek(data_start + begin)
+            if file.readinto(buffer) != len(buffer):
+                raise BundleError(f"{path} is truncated: {name} is cut short")
+        flat = torch.frombuffer(buffer, dtype=torch.uint8) if buffer else torch.empty(0, dtype=torch.uint8)
+        return flat.view(self.dtype(name)).view(entry["shape"])
+
+
 class BundleTensors:
     """The tensors of a bundle's files, by name (a `weights.TensorSource`)."""
 
@@ -228,7 +270,7 @@ def convert(
     progress: bool = True,
 ) -> Path:
     """Convert a release into an 8-bit bundle at `destination`, reading one tensor at a time."""
-    from .weights import HEAD_WEIGHTS, IGNORED_PREFIXES, SafetensorsFiles, config_fingerprint, read_json, resolve_source
+    from .weights import HEAD_WEIGHTS, IGNORED_PREFIXES, config_fingerprint, read_json, resolve_source
 
     if precision != "int8":
         raise BundleError(f"unknown bundle precision {precision!r}: only int8 bundles exist")
@@ -244,9 +286,8 @@ def convert(
     config = read_json(root / "config.json")
     head_config = read_json(root / "joint_head_config.json")
 
-    release_tensors = SafetensorsFiles.of_release(root)
-    quantized = QuantizingSource(release_tensors)
-    head_tensors = SafetensorsFiles([root / HEAD_WEIGHTS])
+    quantized = QuantizingSource(StreamedSafetensors.of_release(root))
+    head_tensors = StreamedSafetensors([root / HEAD_WEIGHTS])
     # Check every name and shape against the model before writing anything (meta tensors: no data read).
     _check_release(config, head_config, root, quantized, head_tensors)
 

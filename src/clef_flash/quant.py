@@ -29,7 +29,7 @@ SCALE_SUFFIX = "_scale"  # `x.weight` (int8) is stored beside `x.weight_scale` (
 MODES = ("weight-only", "w8a8")
 DEFAULT_MODE = "weight-only"  # see README "Choices worth knowing": measured agreement and speed
 # The DeltaNet gate projections are tiny (hidden -> value heads) and feed a sigmoid and a softplus
-# exponent: measured both ways (benchmarks/quant_agreement.py), they stay 16-bit.
+# exponent: measured both ways (benchmarks/agreement.py), they stay 16-bit.
 KEPT_HIGH_PRECISION = ("in_proj_a.weight", "in_proj_b.weight")
 TILE_ELEMENTS = 1 << 22  # weight elements dequantized at once in weight-only mode (16 MB of fp32)
 

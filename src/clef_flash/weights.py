@@ -112,6 +112,11 @@ class SafetensorsFiles:
 
     @classmethod
     def of_release(cls, root: Path) -> "SafetensorsFiles":
+        return cls(cls.release_files(root))
+
+    @staticmethod
+    def release_files(root: Path) -> list[Path]:
+        """The decoder's safetensors files: those the index names (all present), else model*.safetensors."""
         index = root / "model.safetensors.index.json"
         if index.is_file():
             weight_map = read_json(index).get("weight_map", {})
@@ -123,7 +128,7 @@ class SafetensorsFiles:
             files = sorted(root.glob("model*.safetensors"))
         if not files:
             raise ModelSourceError(f"{root} is not a Clef release: no model*.safetensors")
-        return cls(files)
+        return files
 
     def keys(self) -> set[str]:
         return set(self._location)
