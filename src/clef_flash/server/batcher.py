@@ -1,0 +1,216 @@
+"""Dynamic batching: a bounded queue of encoded records and one model worker thread.
+
+The event loop validates and encodes a request, then `submit`s its record and awaits the job's
+future; it never runs the model. The worker takes the oldest record, waits up to `batch_wait_s`
+(counted from when that record arrived) for company, and runs as many queued records as fit the
+token budget in one `Clef.score` call. Results go back to each job's event loop thread-safely.
+
+A job whose client went away is `cancel`led: removed from the queue if still there, its result
+dropped if it was already running (a running forward cannot be interrupted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ..engine import QuestionResult, Timings
+from ..errors import InferenceError
+from ..records import EncodedRecord
+from .metrics import ServerMetrics
+
+if TYPE_CHECKING:
+    from ..engine import Clef
+
+log = logging.getLogger("clef_flash.server")
+
+
+class QueueFull(Exception):
+    """The queue holds `max_queue` records already; the caller should answer 429."""
+
+
+@dataclass(eq=False)
+class Job:
+    record: EncodedRecord
+    future: asyncio.Future[list[QuestionResult]]
+    loop: asyncio.AbstractEventLoop
+    enqueued: float = field(default_factory=time.perf_counter)
+    started: float | None = None  # when the worker took it into a batch
+    finished: float | None = None
+
+    def queue_ms(self) -> float:
+        return ((self.started or self.enqueued) - self.enqueued) * 1000
+
+    def model_ms(self) -> float:
+        if self.started is None or self.finished is None:
+            return 0.0
+        return (self.finished - self.started) * 1000
+
+
+def _resolve(future: asyncio.Future, result: list[QuestionResult] | None, error: BaseException | None) -> None:
+    """Runs on the job's event loop. A cancelled future (client gone) is left alone."""
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+class Batcher:
+    def __init__(
+        self,
+        model: Clef,
+        metrics: ServerMetrics,
+        *,
+        batch_tokens: int,
+        max_batch: int = 64,
+        batch_wait_s: float = 0.005,
+        max_queue: int = 256,
+    ):
+        if batch_tokens < 1 or max_batch < 1 or max_queue < 1 or batch_wait_s < 0:
+            raise ValueError("batch_tokens, max_batch and max_queue must be positive; batch_wait_s at least 0")
+        self.model = model
+        self.metrics = metrics
+        self.batch_tokens = batch_tokens
+        self.max_batch = max_batch
+        self.batch_wait_s = batch_wait_s
+        self.max_queue = max_queue
+        self._queue: deque[Job] = deque()
+        self._changed = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # -- the event loop's side ----------------------------------------------------------------
+
+    @property
+    def depth(self) -> int:
+        return len(self._queue)
+
+    def submit(self, record: EncodedRecord) -> Job:
+        """Queue a record; raises QueueFull when the queue is at `max_queue`."""
+        loop = asyncio.get_running_loop()
+        job = Job(record=record, future=loop.create_future(), loop=loop)
+        with self._changed:
+            if len(self._queue) >= self.max_queue:
+                raise QueueFull
+            self._queue.append(job)
+            self._changed.notify()
+        return job
+
+    def cancel(self, job: Job) -> bool:
+        """Forget a job whose client went away. True when it was still queued (never run)."""
+        job.future.cancel()
+        with self._changed:
+            try:
+                self._queue.remove(job)
+            except ValueError:
+                return False
+        with self.metrics.lock:
+            self.metrics.dropped.inc()
+        return True
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._stopping = False
+            self._thread = threading.Thread(target=self._work, name="clef-flash-model", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Finish the batch in progress, fail what is still queued, and end the worker."""
+        with self._changed:
+            self._stopping = True
+            left, self._queue = list(self._queue), deque()
+            self._changed.notify_all()
+        for job in left:
+            self._answer(job, None, InferenceError("the server is shutting down"))
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    # -- the worker's side --------------------------------------------------------------------
+
+    def _work(self) -> None:
+        while True:
+            batch = self._next_batch()
+            if batch is None:
+                return
+            self._run(batch)
+
+    def _fits(self) -> int:
+        """How many queued jobs, oldest first, one forward can take: padded tokens within budget."""
+        count, longest = 0, 0
+        for job in self._queue:
+            longest = max(longest, job.record.token_count)
+            if count and (count >= self.max_batch or longest * (count + 1) > self.batch_tokens):
+                break
+            count += 1
+        return count
+
+    def _next_batch(self) -> list[Job] | None:
+        with self._changed:
+            while not self._queue and not self._stopping:
+                self._changed.wait()
+            if self._stopping:
+                return None
+            # Wait for company until the oldest record has waited batch_wait_s, or the batch is full.
+            while not self._stopping and self._queue:
+                count = self._fits()
+                remaining = self._queue[0].enqueued + self.batch_wait_s - time.perf_counter()
+                if count < len(self._queue) or count >= self.max_batch or remaining <= 0:
+                    break
+                self._changed.wait(remaining)
+            if self._stopping or not self._queue:
+                return None if self._stopping else []
+            batch = [self._queue.popleft() for _ in range(self._fits())]
+        started = time.perf_counter()
+        for job in batch:
+            job.started = started
+        return batch
+
+    def _run(self, batch: list[Job]) -> None:
+        if not batch:
+            return
+        timings = Timings()
+        try:
+            results = self.model.score([job.record for job in batch], timings)
+        except Exception as error:
+            with self.metrics.lock:
+                self.metrics.forwards.inc(amount=timings.forwards)
+            if len(batch) > 1:
+                # Run each record alone, so that one bad record fails only its own request.
+                log.warning("a batch of %d records failed (%s); retrying them one by one", len(batch), error)
+                for job in batch:
+                    job.started = time.perf_counter()
+                    self._run([job])
+                return
+            log.exception("inference failed on a record of %d tokens", batch[0].record.token_count)
+            with self.metrics.lock:
+                self.metrics.failures.inc()
+            message = f"inference failed: {type(error).__name__}: {error}"
+            self._answer(batch[0], None, InferenceError(message))
+            return
+        finished = time.perf_counter()
+        with self.metrics.lock:
+            self.metrics.forwards.inc(amount=timings.forwards)
+            self.metrics.batch_size.observe(len(batch))
+            self.metrics.input_tokens.inc(amount=sum(job.record.token_count for job in batch))
+            for job in batch:
+                self.metrics.record_tokens.observe(job.record.token_count)
+        for job, result in zip(batch, results):
+            job.finished = finished
+            self._answer(job, result, None)
+
+    @staticmethod
+    def _answer(job: Job, result: list[QuestionResult] | None, error: BaseException | None) -> None:
+        try:
+            job.loop.call_soon_threadsafe(_resolve, job.future, result, error)
+        except RuntimeError:  # the job's event loop has closed: nobody is waiting
+            pass
