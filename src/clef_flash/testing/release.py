@@ -479,6 +479,82 @@ def draw_tensor(spec: TensorSpec, seed: int = 0, dtype: torch.dtype = torch.floa
     return torch.cat(list(draw_chunks(spec, seed, dtype))).reshape(spec.shape)
 
 
+class RandomTensors:
+    """The tensors of a random release, drawn on demand instead of read from files: the same
+    `keys / shape / get` as `weights.SafetensorsFiles`, and the same values as the files that
+    `write_random_release` writes for the seed and dtype (each tensor has its own generator)."""
+
+    def __init__(self, specs: Sequence[TensorSpec], *, seed: int, dtype: torch.dtype):
+        self._specs = {spec.name: spec for spec in specs}
+        self.seed = seed
+        self.stored_dtype = dtype
+
+    @classmethod
+    def of_model(cls, config: str | RandomConfig, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> RandomTensors:
+        """`model*.safetensors` (bf16, as `write_random_release` writes it by default)."""
+        return cls(tensor_table(config), seed=seed, dtype=dtype)
+
+    @classmethod
+    def of_head(cls, config: str | RandomConfig, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> RandomTensors:
+        """`joint_head.safetensors` (fp32)."""
+        return cls(head_tensor_table(config), seed=seed, dtype=dtype)
+
+    def keys(self) -> set[str]:
+        return set(self._specs)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._specs[name].shape
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.stored_dtype
+
+    def get(self, name: str) -> torch.Tensor:
+        return draw_tensor(self._specs[name], self.seed, self.stored_dtype)
+
+
+def random_model(
+    config: str | RandomConfig = "tiny",
+    *,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+    precision: str | None = None,
+    batch_tokens: int | None = None,
+):
+    """A `Clef` with the weights of `write_random_release(config, seed=seed)`, built in memory
+    without writing a file (the full `9b` included), e.g. to measure speed anywhere."""
+    from ..engine import DEFAULT_BATCH_TOKENS, Clef, pick_device, pick_dtype, precision_name
+    from ..errors import ClefError
+    from ..quant import QuantizingSource
+    from ..tokenizer import Tokenizer
+    from ..weights import build_release
+    from .vocab import cached_tokenizer_json
+
+    try:
+        config = resolve_config(config)
+    except ValueError as exc:
+        raise ClefError(str(exc)) from None
+    resolved_device = pick_device(device)
+    dtype, quantization = pick_dtype(precision, resolved_device)
+    tensors = RandomTensors.of_model(config, seed=seed)
+    release = build_release(
+        release_config(config, seed=seed),
+        config.head_config(),
+        Tokenizer.from_file(cached_tokenizer_json()),
+        QuantizingSource(tensors) if quantization else tensors,
+        RandomTensors.of_head(config, seed=seed),
+        device=resolved_device,
+        dtype=dtype,
+        quantization=quantization,
+    )
+    return Clef(
+        release,
+        device=resolved_device,
+        precision=precision_name(dtype, quantization),
+        source=f"random:{config.name}",
+        batch_tokens=batch_tokens or DEFAULT_BATCH_TOKENS,
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # safetensors, streamed
 

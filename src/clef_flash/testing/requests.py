@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from typing import Any
 
 WORDS = (
@@ -70,3 +71,25 @@ def random_request(
 def random_requests(seed: int, count: int, *, state_words: tuple[int, int] = (5, 120)) -> list[dict[str, Any]]:
     rng = random.Random(seed)
     return [random_request(rng, state_words=rng.randint(*state_words)) for _ in range(count)]
+
+
+def request_of_tokens(count_tokens: Callable[[dict[str, Any]], int], tokens: int, seed: int = 0) -> dict[str, Any]:
+    """A generated request (three questions) whose state of random words is padded to the most
+    words that keep the rendered record within `tokens` tokens (`count_tokens(request)` renders it);
+    when the questions alone take more, the state is one word."""
+    rng = random.Random(seed)
+    request = random_request(rng, questions=3)
+    words: list[str] = []
+
+    def with_words(count: int) -> dict[str, Any]:
+        while len(words) < count:
+            words.append(rng.choice(WORDS))
+        return {**request, "state": " ".join(words[:count])}
+
+    low, high = 1, 2  # low fits (or is the floor); find a high that does not fit, then bisect
+    while count_tokens(with_words(high)) <= tokens:
+        low, high = high, high * 2
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if count_tokens(with_words(middle)) <= tokens else (low, middle)
+    return with_words(low)

@@ -1,0 +1,370 @@
+"""Batch scoring: a JSONL file of requests (or of states plus one schema) to JSONL answers, resumable.
+
+Input, one JSON value per line; blank lines are skipped but counted, so line numbers are the file's:
+- requests: each line is a System One request; its top-level `"id"` (any JSON value) is carried over.
+- states plus a schema (`{"questions": {...}, "model"?: ...}`): a line that is an object with a
+  `"state"` key is a row `{"state": ..., "id"?: ...}`; any other value (a string, an object without
+  `"state"`, an array, a number) is the state itself.
+
+Output, one line per input line, in input order:
+
+    {"line": 3, "id": "ticket-17", "model": "clef-flash", "answers": {...}, "usage": {...}}
+    {"line": 4, "id": 4, "error": {"detail": [...]}}
+
+`id` is the input's own id, exactly as given, or its line number when it has none; `error` is the
+422 body the HTTP server would answer (not JSON, an invalid request, a record over the token limit).
+
+Resuming. The output is its own progress record. Lines are scored in fixed blocks of `batch_size`
+input lines (1..N, N+1..2N, ...), and each block is appended, flushed and fsynced. On a restart a
+partial last line (a crash mid-write) is cut off and the line numbers already written are skipped;
+a block cut short is scored again whole, and only its missing lines are written, so every record
+has the same batch neighbours as in an uninterrupted run and the output equals that run's exactly
+(with the same `batch_size`; another one resumes just as safely, but floats may move in the last bit).
+`OUT.progress.json` records what the output was made from (the input's size and SHA-256, the
+schema's, the model): resuming with anything else is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
+
+from .cli import bar
+from .errors import ClefError, RequestInvalid
+from .protocol import parse_request, parse_request_json, shape_response
+
+if TYPE_CHECKING:
+    from .engine import Clef
+
+PROGRESS_FORMAT = "clef-flash-batch"
+PROGRESS_VERSION = 1
+DEFAULT_BATCH_SIZE = 32
+
+
+def progress_path(output: Path) -> Path:
+    return output.with_name(output.name + ".progress.json")
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def read_schema(path: Path) -> dict[str, Any]:
+    """A schema file: `{"questions": {...}}`, maybe with `"model"`; checked once, here."""
+    try:
+        schema = json.loads(path.read_bytes())
+    except ValueError as exc:
+        raise ClefError(f"schema file {path} is not JSON: {exc}") from exc
+    if not isinstance(schema, dict) or "questions" not in schema or "state" in schema:
+        raise ClefError(
+            f"schema file {path} must be a JSON object with 'questions' (and optionally 'model'), "
+            "without a 'state': the states come from the input lines"
+        )
+    try:
+        parse_request({**schema, "state": ""})
+    except RequestInvalid as error:
+        raise ClefError(f"schema file {path} is not a valid schema: {error}") from error
+    return schema
+
+
+@dataclass(frozen=True)
+class Row:
+    """One input line: the request to answer, or why there is none."""
+
+    line: int
+    id: Any
+    request: Any = None
+    error: RequestInvalid | None = None
+
+
+def decode_json(raw: bytes) -> Any:
+    """A line's JSON value; an undecodable line raises the `json_invalid` error the server answers."""
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):  # JSONDecodeError, UnicodeDecodeError
+        parse_request_json(raw)  # raises RequestInvalid with the server's item
+        raise
+
+
+def decode_row(line: int, raw: bytes, schema: dict[str, Any] | None) -> Row:
+    try:
+        value = decode_json(raw)
+    except RequestInvalid as error:
+        return Row(line, line, error=error)
+    if schema is None:
+        row_id = value.get("id", line) if isinstance(value, dict) else line
+        return Row(line, row_id, request=value)
+    if isinstance(value, dict) and "state" in value:
+        return Row(line, value.get("id", line), request={**schema, "state": value["state"]})
+    return Row(line, line, request={**schema, "state": value})
+
+
+def input_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """(line number from 1, content) of every non-blank line."""
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            if raw.strip():
+                yield number, raw.rstrip(b"\r\n")
+
+
+def read_jsonl(path: str | os.PathLike[str]) -> list[tuple[int, Any]]:
+    """(line number, value) of every non-blank line of a JSONL file; a line that is not JSON is an
+    error naming it (for files read whole, such as eval's; `batch` turns such a line into an error object)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ClefError(f"no input file at {path}")
+    values = []
+    for number, raw in input_lines(path):
+        try:
+            values.append((number, decode_json(raw)))
+        except RequestInvalid as error:
+            raise ClefError(f"{path} line {number}: {error.errors[0]['msg']}") from error
+    return values
+
+
+def score_rows(model: Clef, rows: list[Row]) -> list[dict[str, Any]]:
+    """One output object per row, in order; the valid rows are scored in one `Clef.score` call."""
+    outputs: list[dict[str, Any] | None] = [None] * len(rows)
+    valid = []  # (position, parsed request, encoded record)
+    for position, row in enumerate(rows):
+        error = row.error
+        if error is None:
+            try:
+                request = model.parse(row.request)
+                valid.append((position, request, model.encode(request)))
+                continue
+            except RequestInvalid as invalid:
+                error = invalid
+        outputs[position] = {"line": row.line, "id": row.id, "error": error.detail()}
+    results = model.score([record for _, _, record in valid])
+    for (position, request, record), per_question in zip(valid, results):
+        body = shape_response(
+            request,
+            [(result.option_ids, result.probabilities) for result in per_question],
+            input_tokens=record.token_count,
+            default_model=model.model_name,
+        )
+        outputs[position] = {"line": rows[position].line, "id": rows[position].id, **body}
+    return outputs  # type: ignore[return-value]
+
+
+def json_line(value: Any) -> bytes:
+    text = json.dumps(value, ensure_ascii=False)
+    try:
+        return (text + "\n").encode()
+    except UnicodeEncodeError:  # a lone surrogate (legal as a JSON escape) in an id: keep it escaped
+        return (json.dumps(value) + "\n").encode()
+
+
+def completed_lines(output: Path) -> set[int]:
+    """The input line numbers already in `output`, after cutting off a partial last line."""
+    data = output.read_bytes()
+    complete = data.rfind(b"\n") + 1
+    if complete < len(data):
+        os.truncate(output, complete)  # a crash mid-write: that line is scored again
+    done = set()
+    for number, raw in enumerate(data[:complete].splitlines(), start=1):
+        try:
+            done.add(int(json.loads(raw)["line"]))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ClefError(
+                f"{output} line {number} is not a clef-flash batch output line; "
+                "give another OUT, or --overwrite to start over"
+            ) from exc
+    return done
+
+
+def model_words(model: Any) -> str:
+    """`{"source": "tiny", "precision": "fp32", "revision": None}` -> "source tiny, precision fp32"."""
+    if not isinstance(model, dict):
+        return repr(model)
+    return ", ".join(f"{key} {value}" for key, value in model.items() if value is not None)
+
+
+def describe_differences(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """What differs between the job a progress file records and this one, in words."""
+    differences = []
+    if (recorded.get("format"), recorded.get("version")) != (current["format"], current["version"]):
+        differences.append(f"a progress file of format {recorded.get('format')!r} v{recorded.get('version')}")
+    if (recorded.get("input_bytes"), recorded.get("input_sha256")) != (current["input_bytes"], current["input_sha256"]):
+        differences.append(f"its input was {recorded.get('input')}, not this file's content")
+    if recorded.get("schema_sha256") != current["schema_sha256"]:
+        differences.append("another schema" if current["schema_sha256"] else "a schema, and this run has none")
+    if recorded.get("model") != current["model"]:
+        differences.append(f"its model was {model_words(recorded.get('model'))}, this run's is {model_words(current['model'])}")
+    return differences
+
+
+@dataclass
+class Summary:
+    written: int  # lines written by this run
+    errors: int  # of which error objects
+    skipped: int  # lines already in the output
+    seconds: float
+
+
+class BatchJob:
+    """An input file, an output file and what the output is made from. `open` checks everything
+    and writes nothing; `run` starts the output (a fresh job) or appends what is missing."""
+
+    def __init__(
+        self, input_path: Path, output: Path, schema: dict[str, Any] | None, made_from: dict[str, Any], done: set[int] | None
+    ):
+        self.input_path = input_path
+        self.output = output
+        self.schema = schema
+        self.made_from = made_from  # what the progress file records
+        self.fresh = done is None  # no output of this job yet (or --overwrite)
+        self.done = done or set()  # input line numbers already in the output
+
+    @classmethod
+    def open(
+        cls,
+        input_path: str | os.PathLike[str],
+        output: str | os.PathLike[str],
+        *,
+        schema_path: str | os.PathLike[str] | None = None,
+        model: dict[str, Any],
+        overwrite: bool = False,
+    ) -> BatchJob:
+        """`model` describes the model for the progress file (source, revision, precision, ...)."""
+        input_path, output = Path(input_path), Path(output)
+        if not input_path.is_file():
+            raise ClefError(f"no input file at {input_path}")
+        if output.exists() and output.resolve() == input_path.resolve():
+            raise ClefError("the output file is the input file; give another OUT")
+        schema = None
+        made_from: dict[str, Any] = {
+            "format": PROGRESS_FORMAT,
+            "version": PROGRESS_VERSION,
+            "input": str(input_path.resolve()),
+            "input_bytes": input_path.stat().st_size,
+            "input_sha256": file_sha256(input_path),
+            "schema_sha256": None,
+            "model": model,
+        }
+        if schema_path is not None:
+            schema_path = Path(schema_path)
+            if not schema_path.is_file():
+                raise ClefError(f"no schema file at {schema_path}")
+            schema = read_schema(schema_path)
+            made_from["schema_sha256"] = file_sha256(schema_path)
+
+        sidecar = progress_path(output)
+        if overwrite or not output.exists() or (output.stat().st_size == 0 and not sidecar.exists()):
+            return cls(input_path, output, schema, made_from, None)
+        if not sidecar.is_file():
+            raise ClefError(
+                f"{output} exists but has no {sidecar.name}, so it was not written by clef-flash batch; "
+                "give another OUT, or --overwrite to replace it"
+            )
+        try:
+            recorded = json.loads(sidecar.read_text())
+        except ValueError as exc:
+            raise ClefError(f"{sidecar} is not JSON; use --overwrite to start over") from exc
+        differences = describe_differences(recorded, made_from)
+        if differences:
+            raise ClefError(
+                f"{output} was made from another job ({'; '.join(differences)}): rerun that job's command to resume "
+                "it, or add --overwrite to start over"
+            )
+        return cls(input_path, output, schema, made_from, completed_lines(output))
+
+    def _start(self) -> None:
+        # Empty the output first: a crash in between leaves an empty output (a fresh start) or
+        # an old progress file beside an empty output (refused for another job), never old lines.
+        self.output.write_bytes(b"")
+        sidecar = progress_path(self.output)
+        staging = sidecar.with_name(sidecar.name + ".tmp")
+        staging.write_text(json.dumps(self.made_from, indent=2) + "\n")
+        os.replace(staging, sidecar)
+        self.fresh = False
+
+    def total(self) -> int:
+        return sum(1 for _ in input_lines(self.input_path))
+
+    def run(
+        self, model: Clef, *, batch_size: int = DEFAULT_BATCH_SIZE, progress: ProgressReporter | None = None
+    ) -> Summary:
+        if batch_size < 1:
+            raise ClefError(f"--batch-size must be at least 1; got {batch_size}")
+        if self.fresh:
+            self._start()
+        start = time.perf_counter()
+        written = errors = 0
+        with open(self.output, "ab") as sink:
+            blocks = itertools.groupby(input_lines(self.input_path), key=lambda item: (item[0] - 1) // batch_size)
+            for _, block in blocks:
+                block = list(block)
+                if all(number in self.done for number, _ in block):
+                    continue
+                # The whole block, done lines included: the same batch as an uninterrupted run.
+                rows = [decode_row(number, raw, self.schema) for number, raw in block]
+                missing = [output for output in score_rows(model, rows) if output["line"] not in self.done]
+                sink.write(b"".join(json_line(output) for output in missing))
+                sink.flush()
+                os.fsync(sink.fileno())
+                written += len(missing)
+                errors += sum("error" in output for output in missing)
+                if progress is not None:
+                    progress.advance(len(missing))
+        if progress is not None:
+            progress.finish()
+        return Summary(written=written, errors=errors, skipped=len(self.done), seconds=time.perf_counter() - start)
+
+
+def format_duration(seconds: float) -> str:
+    minutes, seconds = divmod(int(seconds + 0.5), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{seconds:02d}"
+
+
+class ProgressReporter:
+    """Records done out of a total, records/s and the time left: a bar redrawn in place on a
+    terminal, else a line every `interval` seconds."""
+
+    def __init__(self, total: int, done: int = 0, *, stream: TextIO = sys.stderr, interval: float = 10.0):
+        self.total = total
+        self.done = done
+        self.stream = stream
+        self.tty = stream.isatty()
+        self.interval = 0.1 if self.tty else interval
+        self.start = self.last = time.perf_counter()
+        self.scored = 0  # by this run, for the rate
+
+    def advance(self, count: int) -> None:
+        self.done += count
+        self.scored += count
+        now = time.perf_counter()
+        if now - self.last >= self.interval:
+            self.last = now
+            self._show(now)
+
+    def finish(self) -> None:
+        self._show(time.perf_counter())
+        if self.tty:
+            self.stream.write("\n")
+
+    def _show(self, now: float) -> None:
+        elapsed = max(now - self.start, 1e-9)
+        rate = self.scored / elapsed
+        left = format_duration((self.total - self.done) / rate) if rate > 0 else "?"
+        fraction = self.done / self.total if self.total else 1.0
+        text = f"{self.done}/{self.total} records  {rate:.1f} records/s  {left} left"
+        if self.tty:
+            self.stream.write(f"\r{bar(fraction)} {text}\x1b[K")
+        else:
+            self.stream.write(f"batch: {text}\n")
+        self.stream.flush()

@@ -1,0 +1,456 @@
+"""Evaluation: agreement between two models (or precisions) and accuracy on labelled requests.
+
+- `agreement(reference, candidate)`: the Core ML port's quality table: questions compared, answers
+  (argmax decisions) that differ, the median and max |dp| over every option probability, and how
+  many of the differing answers were near-ties (the reference's top-2 margin under `near_tie`).
+- `labelled_report(predictions)`: accuracy, macro-F1, log-loss, Brier, ECE and the reliability bins,
+  overall and per question; `reliability_png` draws the diagram, `png_bytes` encodes it (no plotting
+  library: an RGB raster drawn with numpy, zlib-compressed into the PNG chunks).
+
+Labelled files are JSONL: each line a System One request plus `"expected": {question_id: label}`,
+with a choice's label, `true` / `false` (or "true" / "false") for noul, and a score's level index
+(0 or "0") or its level text. Questions left out of `expected` are answered but not scored.
+The metrics are pure functions of `Prediction`s; everything with a model is in `score_requests`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import struct
+import zlib
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .batch import read_jsonl
+from .errors import ClefError, RequestInvalid
+from .protocol import parse_request
+from .records import question_options
+
+if TYPE_CHECKING:
+    from .engine import Clef, QuestionResult
+
+DEFAULT_NEAR_TIE = 0.05
+DEFAULT_BINS = 10
+LOG_LOSS_FLOOR = 1e-15  # p(truth) is clipped here so that a confident miss costs ~34.5, not infinity
+
+
+# -- reading and scoring -------------------------------------------------------------------------
+
+
+def score_requests(model: Clef, lines: Sequence[tuple[int, Any]], *, where: str) -> list[list[QuestionResult]]:
+    """Unrounded probabilities per question of every request, batched; an invalid one names its line."""
+    records = []
+    for number, request in lines:
+        try:
+            records.append(model.encode(request))
+        except RequestInvalid as error:
+            raise ClefError(f"{where} line {number}: {error}") from error
+    return model.score(records)
+
+
+def describe_model(model: Clef) -> dict[str, Any]:
+    return {"source": model.source, "precision": model.precision, "random": model.is_random}
+
+
+def evaluate_agreement(
+    path: str | Path, load_candidate: Callable[[], Clef], load_reference: Callable[[], Clef], *, near_tie: float
+) -> dict[str, Any]:
+    """The agreement report on a JSONL file of requests; one model is in memory at a time."""
+    lines = read_jsonl(path)
+    sides = {}
+    for side, load_model in (("candidate", load_candidate), ("reference", load_reference)):
+        model = load_model()
+        sides[side] = (describe_model(model), score_requests(model, lines, where=str(path)))
+        del model
+    return {
+        "file": str(path),
+        "candidate": sides["candidate"][0],
+        "reference": sides["reference"][0],
+        **agreement(
+            sides["reference"][1], sides["candidate"][1], near_tie=near_tie, request_numbers=[n for n, _ in lines]
+        ),
+    }
+
+
+def evaluate_labelled(path: str | Path, load_model: Callable[[], Clef]) -> dict[str, Any]:
+    """The labelled report on a JSONL file of requests with `"expected"` labels (all checked
+    before the model is loaded)."""
+    lines, expected = read_labelled(path)
+    model = load_model()
+    results = score_requests(model, lines, where=str(path))
+    predictions = predictions_of(lines, expected, results)
+    return {"file": str(path), "model": describe_model(model), "records": len(lines), **labelled_report(predictions)}
+
+
+def decision(probabilities: Sequence[float]) -> int:
+    """The argmax; a tie goes to the first option (the model's order)."""
+    return max(range(len(probabilities)), key=lambda index: (probabilities[index], -index))
+
+
+def top2_margin(probabilities: Sequence[float]) -> float:
+    top = sorted(probabilities, reverse=True)
+    return top[0] - top[1]
+
+
+# -- agreement -----------------------------------------------------------------------------------
+
+
+def agreement(
+    reference: Sequence[Sequence[QuestionResult]],
+    candidate: Sequence[Sequence[QuestionResult]],
+    *,
+    near_tie: float = DEFAULT_NEAR_TIE,
+    request_numbers: Sequence[int] | None = None,
+) -> dict[str, Any]:
+    """Compare the candidate's probabilities with the reference's, request by request."""
+    numbers = request_numbers if request_numbers is not None else range(1, len(reference) + 1)
+    deltas: list[float] = []
+    differing = []
+    questions = 0
+    for number, reference_questions, candidate_questions in zip(numbers, reference, candidate, strict=True):
+        for expected, actual in zip(reference_questions, candidate_questions, strict=True):
+            if (expected.question_id, expected.option_ids) != (actual.question_id, actual.option_ids):
+                raise ClefError(f"request {number}: the two models encode question {expected.question_id!r} differently")
+            questions += 1
+            deltas += [abs(p - q) for p, q in zip(expected.probabilities, actual.probabilities, strict=True)]
+            want, got = decision(expected.probabilities), decision(actual.probabilities)
+            if want != got:
+                margin = top2_margin(expected.probabilities)
+                differing.append(
+                    {
+                        "request": number,
+                        "question": expected.question_id,
+                        "reference": expected.option_ids[want],
+                        "candidate": actual.option_ids[got],
+                        "reference_margin": margin,
+                        "near_tie": margin < near_tie,
+                    }
+                )
+    return {
+        "requests": len(reference),
+        "questions": questions,
+        "answers_differing": len(differing),
+        "near_ties": sum(item["near_tie"] for item in differing),
+        "near_tie_margin": near_tie,
+        "median_abs_dp": statistics.median(deltas) if deltas else 0.0,
+        "max_abs_dp": max(deltas, default=0.0),
+        "differing": differing,
+    }
+
+
+def agreement_markdown(report: dict[str, Any]) -> str:
+    lines = [
+        "# clef-flash eval: agreement",
+        "",
+        (
+            f"candidate: {model_label(report['candidate'])}; reference: {model_label(report['reference'])}; "
+            f"{report['requests']} requests from {report['file']}"
+        ),
+        "",
+        f"| questions | answers differing | median \\|dp\\| | max \\|dp\\| | near-ties among them (margin < {report['near_tie_margin']}) |",
+        "|---:|---:|---:|---:|---:|",
+        (
+            f"| {report['questions']} | {report['answers_differing']} | {report['median_abs_dp']:.2e} "
+            f"| {report['max_abs_dp']:.2e} | {report['near_ties']} |"
+        ),
+    ]
+    if report["differing"]:
+        lines += ["", "| request | question | reference | candidate | reference top-2 margin |", "|---:|---|---|---|---:|"]
+        lines += [
+            f"| {item['request']} | {item['question']} | {item['reference']} | {item['candidate']} | {item['reference_margin']:.2e} |"
+            for item in report["differing"]
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def model_label(model: dict[str, Any]) -> str:
+    random = ", random weights" if model.get("random") else ""
+    return f"{model['source']} ({model['precision']}{random})"
+
+
+# -- labelled accuracy ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One scored question: the model's probabilities over its options and the true option."""
+
+    question: str  # the question id: questions with the same id across records form one task
+    question_type: str
+    options: tuple[str, ...]  # option ids in the model's order
+    probabilities: tuple[float, ...]
+    truth: int  # index into options
+
+    @property
+    def predicted(self) -> int:
+        return decision(self.probabilities)
+
+    @property
+    def confidence(self) -> float:
+        return max(self.probabilities)
+
+
+def option_of_label(question: dict[str, Any], label: Any) -> str:
+    """The option id an expected label names (see the module docstring for the accepted forms)."""
+    kind = question["type"]
+    options = [option_id for option_id, _ in question_options(question)]
+    if kind == "noul" and isinstance(label, bool):
+        label = "true" if label else "false"
+    elif kind == "score" and isinstance(label, int) and not isinstance(label, bool):
+        label = str(label)
+    elif kind == "score" and isinstance(label, str) and label not in options and label in question["criteria"]:
+        label = str(question["criteria"].index(label))
+    if not isinstance(label, str) or label not in options:
+        allowed = {"noul": "true or false", "choice": "one of its criteria keys", "score": "a level index or level text"}
+        raise ValueError(f"label {label!r} is not an option of this {kind} question ({allowed[kind]})")
+    return label
+
+
+def read_labelled(path: str | Path) -> tuple[list[tuple[int, Any]], list[dict[str, str]]]:
+    """(line number, request) pairs, and per line the expected option id of each labelled question;
+    every label is checked here, before a model is loaded."""
+    lines, expected = [], []
+    for number, value in read_jsonl(path):
+        if not isinstance(value, dict) or not isinstance(value.get("expected"), dict):
+            raise ClefError(f"{path} line {number}: a labelled line is a request with \"expected\": {{question_id: label}}")
+        request = {key: item for key, item in value.items() if key != "expected"}
+        try:
+            questions = parse_request(request).to_record()["questions"]
+        except RequestInvalid as error:
+            raise ClefError(f"{path} line {number}: {error}") from error
+        unknown = sorted(set(value["expected"]) - set(questions))
+        if unknown:
+            raise ClefError(f"{path} line {number}: expected labels for questions the request does not ask: {unknown}")
+        labels = {}
+        for question_id, label in value["expected"].items():
+            try:
+                labels[question_id] = option_of_label(questions[question_id], label)
+            except ValueError as error:
+                raise ClefError(f"{path} line {number}, question {question_id!r}: {error}") from error
+        lines.append((number, request))
+        expected.append(labels)
+    return lines, expected
+
+
+def predictions_of(
+    lines: Sequence[tuple[int, Any]], expected: Sequence[dict[str, str]], results: Sequence[Sequence[QuestionResult]]
+) -> list[Prediction]:
+    """A `Prediction` per labelled question (questions without a label are left out)."""
+    predictions = []
+    for (_, request), labels, per_question in zip(lines, expected, results, strict=True):
+        questions = request["questions"]
+        for result in per_question:
+            if result.question_id in labels:
+                predictions.append(
+                    Prediction(
+                        result.question_id,
+                        questions[result.question_id]["type"],
+                        result.option_ids,
+                        result.probabilities,
+                        result.option_ids.index(labels[result.question_id]),
+                    )
+                )
+    return predictions
+
+
+def accuracy(predictions: Sequence[Prediction]) -> float:
+    return sum(p.predicted == p.truth for p in predictions) / len(predictions)
+
+
+def log_loss(predictions: Sequence[Prediction]) -> float:
+    """Mean of -ln p(truth)."""
+    return sum(-math.log(max(p.probabilities[p.truth], LOG_LOSS_FLOOR)) for p in predictions) / len(predictions)
+
+
+def brier(predictions: Sequence[Prediction]) -> float:
+    """Multi-class Brier score: mean over questions of sum_k (p_k - [k = truth])^2 (0 to 2)."""
+    return sum(
+        sum((probability - (index == p.truth)) ** 2 for index, probability in enumerate(p.probabilities))
+        for p in predictions
+    ) / len(predictions)
+
+
+def macro_f1(truths: Sequence[str], predicted: Sequence[str]) -> float:
+    """Mean F1 over the labels that occur as a truth or a prediction (sklearn's average="macro")."""
+    scores = []
+    for label in sorted(set(truths) | set(predicted)):
+        true_positives = sum(t == label and p == label for t, p in zip(truths, predicted))
+        false_positives = sum(t != label and p == label for t, p in zip(truths, predicted))
+        false_negatives = sum(t == label and p != label for t, p in zip(truths, predicted))
+        scores.append(2 * true_positives / (2 * true_positives + false_positives + false_negatives))
+    return sum(scores) / len(scores)
+
+
+def reliability_bins(predictions: Sequence[Prediction], bins: int = DEFAULT_BINS) -> list[dict[str, float]]:
+    """Equal-width bins of the top-class confidence, [k/bins, (k+1)/bins) (the last one includes 1)."""
+    members: list[list[Prediction]] = [[] for _ in range(bins)]
+    for p in predictions:
+        members[min(int(p.confidence * bins), bins - 1)].append(p)
+    return [
+        {
+            "lower": k / bins,
+            "upper": (k + 1) / bins,
+            "count": len(group),
+            "confidence": sum(p.confidence for p in group) / len(group) if group else 0.0,
+            "accuracy": sum(p.predicted == p.truth for p in group) / len(group) if group else 0.0,
+        }
+        for k, group in enumerate(members)
+    ]
+
+
+def expected_calibration_error(predictions: Sequence[Prediction], bins: int = DEFAULT_BINS) -> float:
+    """Sum over bins of (share of questions) * |accuracy - mean confidence|."""
+    return sum(
+        b["count"] / len(predictions) * abs(b["accuracy"] - b["confidence"]) for b in reliability_bins(predictions, bins)
+    )
+
+
+def summary(predictions: Sequence[Prediction]) -> dict[str, float]:
+    """Every figure of a group of predictions; macro-F1 is averaged over its question ids."""
+    by_question = defaultdict(list)
+    for p in predictions:
+        by_question[p.question].append(p)
+    per_question_f1 = [
+        macro_f1([p.options[p.truth] for p in group], [p.options[p.predicted] for p in group])
+        for group in by_question.values()
+    ]
+    return {
+        "questions": len(predictions),
+        "accuracy": accuracy(predictions),
+        "macro_f1": sum(per_question_f1) / len(per_question_f1),
+        "log_loss": log_loss(predictions),
+        "brier": brier(predictions),
+        "ece": expected_calibration_error(predictions),
+    }
+
+
+def labelled_report(predictions: Sequence[Prediction]) -> dict[str, Any]:
+    if not predictions:
+        raise ClefError("no question has an expected label: nothing to score")
+    by_question = defaultdict(list)
+    for p in predictions:
+        by_question[p.question].append(p)
+    return {
+        **summary(predictions),
+        "by_question": {
+            question: {"type": group[0].question_type, **summary(group)} for question, group in by_question.items()
+        },
+        "reliability": reliability_bins(predictions),
+    }
+
+
+def labelled_markdown(report: dict[str, Any]) -> str:
+    lines = [
+        "# clef-flash eval: labelled",
+        "",
+        (
+            f"model: {model_label(report['model'])}; {report['records']} records, {report['questions']} questions "
+            f"scored, from {report['file']}"
+        ),
+        "",
+        "| accuracy | macro-F1 | log-loss | Brier | ECE (10 bins) |",
+        "|---:|---:|---:|---:|---:|",
+        (
+            f"| {report['accuracy']:.4f} | {report['macro_f1']:.4f} | {report['log_loss']:.4f} "
+            f"| {report['brier']:.4f} | {report['ece']:.4f} |"
+        ),
+        "",
+        "Brier is the multi-class score (sum over options, 0 to 2); macro-F1 is averaged over the labels of",
+        "each question id, then over question ids; ECE bins the top option's probability.",
+        "",
+        "| question | type | n | accuracy | macro-F1 | log-loss | Brier | ECE |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {question} | {row['type']} | {row['questions']} | {row['accuracy']:.4f} | {row['macro_f1']:.4f} "
+        f"| {row['log_loss']:.4f} | {row['brier']:.4f} | {row['ece']:.4f} |"
+        for question, row in report["by_question"].items()
+    ]
+    lines += ["", "| confidence | n | mean confidence | accuracy |", "|---|---:|---:|---:|"]
+    lines += [
+        f"| {b['lower']:.1f}–{b['upper']:.1f} | {b['count']} | {b['confidence']:.4f} | {b['accuracy']:.4f} |"
+        for b in report["reliability"]
+        if b["count"]
+    ]
+    return "\n".join(lines) + "\n"
+
+
+# -- the reliability diagram ---------------------------------------------------------------------
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+WHITE, BLACK, GREY = (255, 255, 255), (0, 0, 0), (110, 110, 110)
+BAR, GAP, GRID = (66, 120, 190), (235, 150, 140), (225, 225, 225)
+
+
+def png_bytes(image: np.ndarray) -> bytes:
+    """An [H, W, 3] uint8 image as an 8-bit RGB PNG: every row with filter 0, one IDAT chunk."""
+    height, width, channels = image.shape
+    if channels != 3 or image.dtype != np.uint8:
+        raise ValueError("png_bytes takes an [H, W, 3] uint8 array")
+    rows = np.concatenate([np.zeros((height, 1), np.uint8), image.reshape(height, width * 3)], axis=1)  # [H, 1 + 3W]
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8 bits, RGB, deflate, filter 0, no interlace
+    return PNG_SIGNATURE + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows.tobytes(), 9)) + chunk(b"IEND", b"")
+
+
+def reliability_image(bins: Sequence[dict[str, float]], size: int = 320, margin: int = 24) -> np.ndarray:
+    """Bars of accuracy per confidence bin (blue), the gap to the bin's mean confidence (red), the
+    diagonal of perfect calibration, axes with a tick every 0.1. Confidence runs left to right."""
+    image = np.full((size, size, 3), WHITE, np.uint8)  # [H, W, 3]
+    side = size - 2 * margin  # the plot is the square [margin, margin + side) in both directions
+
+    def x(value: float) -> int:
+        return margin + round(value * side)
+
+    def y(value: float) -> int:  # image rows grow downwards
+        return margin + side - round(value * side)
+
+    for tick in range(11):
+        image[margin : margin + side, x(tick / 10)] = GRID
+        image[y(tick / 10), margin : margin + side] = GRID
+    for b in bins:
+        if not b["count"]:
+            continue
+        left, right = x(b["lower"]) + 1, x(b["upper"]) - 1
+        image[y(b["accuracy"]) : y(0), left:right] = BAR
+        low, high = sorted((b["accuracy"], b["confidence"]))
+        image[y(high) : y(low), left:right] = GAP
+    for column in range(side + 1):  # the diagonal, two pixels thick
+        row = y(column / side)
+        image[max(row - 1, 0) : row + 1, margin + column] = GREY
+    image[y(0) : y(0) + 2, margin - 1 : margin + side + 1] = BLACK  # x axis
+    image[margin : y(0) + 2, margin - 2 : margin] = BLACK  # y axis
+    for tick in range(11):
+        image[y(0) + 2 : y(0) + 6, x(tick / 10)] = BLACK
+        image[y(tick / 10), margin - 6 : margin - 2] = BLACK
+    return image
+
+
+def reliability_png(bins: Sequence[dict[str, float]]) -> bytes:
+    return png_bytes(reliability_image(bins))
+
+
+# -- reports -------------------------------------------------------------------------------------
+
+
+def write_reports(out_dir: str | Path, report: dict[str, Any], markdown: str, png: bytes | None = None) -> list[Path]:
+    """`report.json`, `report.md` and, when given, `reliability.png` in `out_dir` (created)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = [out / "report.json", out / "report.md"]
+    written[0].write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+    written[1].write_text(markdown)
+    if png is not None:
+        written.append(out / "reliability.png")
+        written[2].write_bytes(png)
+    return written
