@@ -219,3 +219,27 @@ def test_int8_agrees_with_fp32(name, precision, tiny_dir, heads_dir, fp32_result
     )
     assert report["median_abs_dp"] < 5e-3
     assert report["near_ties"] == report["answers_differing"]  # only close calls (margin < 0.05) may flip
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_low_memory_mode_gives_the_same_answers_with_few_layers_resident(tiny_dir, bundle_dir, precision):
+    source = bundle_dir if precision == "int8" else tiny_dir
+    requests = random_requests(7, 3)
+    whole = clef_flash.load(source, device="cpu", precision=precision)
+    low = clef_flash.load(source, device="cpu", precision=precision, resident_layers=2)
+    for request in requests:
+        assert low.logits(request) == whole.logits(request)
+    window = low.release.decoder.layers[0].window
+    assert window.most_resident == 2 < len(low.release.decoder.layers)
+    resident = [layer for layer in low.release.decoder.layers if not layer.layer.input_layernorm.weight.is_meta]
+    assert len(resident) == 2  # the others hold no weights between forwards
+
+
+def test_answer_command_on_a_bundle_with_verify_and_resident_layers(bundle_dir, capsys):
+    code = main(["answer", "--model", str(bundle_dir), "--verify", "--resident-layers", "1", "--json",
+                 "--state", "Card charged twice", "--question", "refund=noul:Refund?"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert 0.0 <= json.loads(captured.out)["answers"]["refund"]["noul"] <= 1.0
+    with pytest.raises(SystemExit):  # argparse refuses 0 with its usage line
+        main(["answer", "--model", str(bundle_dir), "--resident-layers", "0", "--state", "x", "--question", "r=noul:R?"])

@@ -452,7 +452,15 @@ def verify(root: Path) -> None:
             raise BundleError(f"{root / name} does not match its sha256 in the manifest: convert the release again")
 
 
-def load_bundle(root: Path, *, device: torch.device, dtype: torch.dtype, mode: str = DEFAULT_MODE, check: bool = False):
+def load_bundle(
+    root: Path,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    mode: str = DEFAULT_MODE,
+    check: bool = False,
+    resident_layers: int | None = None,
+):
     """A Release from a bundle: every tensor a view of a memory map (on CPU), no copy of the weights."""
     from .tokenizer import Tokenizer
     from .weights import HEAD_WEIGHTS, build_release, read_json
@@ -477,4 +485,5 @@ def load_bundle(root: Path, *, device: torch.device, dtype: torch.dtype, mode: s
         dtype=dtype,
         root=root,
         quantization=mode,
+        resident_layers=resident_layers,
     )

@@ -3,9 +3,15 @@
     clef-flash tiny DIR                       write a random release (real vocabulary) for smoke tests
     clef-flash answer --model SRC [REQUEST]   answer a System One request (file, stdin, or flags)
     clef-flash render [REQUEST]               show the rendered prompt, spans and token counts
+    clef-flash serve --model SRC              a System One HTTP server, with a triage demo page at /
+    clef-flash batch IN OUT --model SRC       JSONL requests (or states + --schema) to JSONL answers; resumable
+    clef-flash eval agreement REQUESTS        --model A vs --against-model B: answers that differ, |dp|, near-ties
+    clef-flash eval labelled FILE --model SRC accuracy, macro-F1, log-loss, Brier, ECE, a reliability diagram
+    clef-flash bench [--random NAME]          latency percentiles, records/s, tokens/s, peak RSS
+    clef-flash convert SRC DST                a release to an 8-bit bundle (memory-mapped, int8 weights)
 
 Environment defaults: CLEF_FLASH_MODEL (--model), CLEF_FLASH_DEVICE (--device),
-CLEF_FLASH_PRECISION (--precision).
+CLEF_FLASH_PRECISION (--precision), CLEF_FLASH_API_KEY (serve --api-key).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -133,11 +140,38 @@ def command_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
-def command_answer(args: argparse.Namespace) -> int:
+def command_convert(args: argparse.Namespace) -> int:
+    from .bundle import convert, verify
+
+    start = time.perf_counter()
+    out = convert(args.source, args.destination, precision=args.precision, revision=args.revision, overwrite=args.overwrite)
+    verify(out)
+    size = sum(path.stat().st_size for path in out.iterdir())
+    print(f"wrote an {args.precision} bundle to {out} ({size / 1e9:.2f} GB, {time.perf_counter() - start:.1f} s, checksums verified)")
+    return 0
+
+
+PRECISION_CHOICES = ["fp32", "bf16", "int8", "int8-weight-only", "int8-w8a8"]
+
+
+def load_model(args: argparse.Namespace, **options: Any):
+    """`load(--model, --device, --precision, --revision, --verify, --resident-layers)` plus `options`."""
     from .engine import load
 
+    return load(
+        args.model,
+        device=args.device,
+        precision=args.precision,
+        revision=args.revision,
+        verify=getattr(args, "verify", False),
+        resident_layers=getattr(args, "resident_layers", None),
+        **options,
+    )
+
+
+def command_answer(args: argparse.Namespace) -> int:
     request = read_request(args)
-    model = load(args.model, device=args.device, precision=args.precision, revision=args.revision)
+    model = load_model(args)
     body = model.answer(request)
     if args.json or (not sys.stdout.isatty() and not args.table):
         output = dict(body)
@@ -148,6 +182,28 @@ def command_answer(args: argparse.Namespace) -> int:
         print(format_answers(body, random_weights=model.is_random))
         if args.timings:
             print(format_timings(model.last_timings.as_dict()))
+    return 0
+
+
+def command_serve(args: argparse.Namespace) -> int:
+    from .records import DEFAULT_MAX_LENGTH
+    from .server import serve
+
+    model = load_model(args, max_length=args.max_length or DEFAULT_MAX_LENGTH)
+    meaning = ": the answers mean nothing" if model.is_random else ""
+    print(f"serving {model!r} on http://{args.host}:{args.port}/{meaning}", file=sys.stderr)
+    serve(
+        model,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        api_key=args.api_key or None,
+        max_body_bytes=args.max_body_bytes,
+        batch_tokens=args.batch_tokens,
+        batch_wait_ms=args.batch_wait_ms,
+        max_batch=args.max_batch,
+        max_queue=args.max_queue,
+    )
     return 0
 
 
@@ -183,6 +239,86 @@ def command_render(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def command_batch(args: argparse.Namespace) -> int:
+    from .batch import BatchJob, ProgressReporter
+    from .records import DEFAULT_MAX_LENGTH
+
+    made_with = {"source": args.model, "revision": args.revision, "precision": args.precision, "max_length": args.max_length}
+    job = BatchJob.open(args.input, args.output, schema_path=args.schema, model=made_with, overwrite=args.overwrite)
+    total = job.total()
+    if job.done:
+        print(f"resuming: {len(job.done)} of {total} lines are already in {args.output}", file=sys.stderr)
+    if not job.fresh and len(job.done) == total:
+        return 0
+    model = load_model(args, max_length=args.max_length or DEFAULT_MAX_LENGTH)
+    summary = job.run(model, batch_size=args.batch_size, progress=ProgressReporter(total, len(job.done)))
+    print(
+        f"wrote {summary.written} lines ({summary.errors} errors) to {args.output} in {summary.seconds:.1f} s",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def write_report(args: argparse.Namespace, report: dict[str, Any], markdown: str, png: bytes | None = None) -> None:
+    """The Markdown report on stdout; with --out, report.json, report.md (and the PNG) in that directory."""
+    from .evaluate import write_reports
+
+    print(markdown, end="")
+    if args.out:
+        written = write_reports(args.out, report, markdown, png)
+        print(f"wrote {', '.join(str(path) for path in written)}", file=sys.stderr)
+
+
+def command_eval_agreement(args: argparse.Namespace) -> int:
+    from .engine import load
+    from .evaluate import agreement_markdown, evaluate_agreement
+
+    report = evaluate_agreement(
+        args.requests,
+        lambda: load_model(args),
+        lambda: load(
+            args.against_model, device=args.device, precision=args.against_precision, revision=args.against_revision
+        ),
+        near_tie=args.near_tie,
+    )
+    write_report(args, report, agreement_markdown(report))
+    return 0
+
+
+def command_eval_labelled(args: argparse.Namespace) -> int:
+    from .evaluate import evaluate_labelled, labelled_markdown, reliability_png
+
+    report = evaluate_labelled(
+        args.file, lambda: load_model(args)
+    )
+    write_report(args, report, labelled_markdown(report), reliability_png(report["reliability"]))
+    return 0
+
+
+def command_bench(args: argparse.Namespace) -> int:
+    from .batch import read_jsonl
+    from .bench import bench, format_bench, generated_requests
+    from .testing import random_model
+
+    requests = [request for _, request in read_jsonl(args.requests)] if args.requests else None
+    if args.random:
+        model = random_model(args.random, seed=args.seed, device=args.device, precision=args.precision)
+    else:
+        model = load_model(args)
+    if requests is None:
+        requests = generated_requests(model, records=args.records, tokens=args.tokens, seed=args.seed)
+    result = bench(model, requests, batch_size=args.batch_size)
+    print(json.dumps(result) if args.json else format_bench(result))
+    return 0
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1; got {value}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -222,13 +358,26 @@ def build_parser() -> argparse.ArgumentParser:
         )
         command.add_argument("--revision", help="hub revision (branch, tag or commit) for a repo id")
 
+    def add_device_arguments(command: argparse.ArgumentParser) -> None:
+        command.add_argument("--device", default=os.environ.get("CLEF_FLASH_DEVICE", "auto"), help="auto, cpu or cuda")
+        command.add_argument(
+            "--precision",
+            default=os.environ.get("CLEF_FLASH_PRECISION"),
+            choices=PRECISION_CHOICES,
+            help="default bf16 for a release, int8 (weight-only) for a bundle",
+        )
+        command.add_argument("--verify", action="store_true", help="check a bundle's sha256 checksums before loading")
+        command.add_argument(
+            "--resident-layers",
+            type=positive_int,
+            metavar="N",
+            help="low-memory mode: at most N decoder layers hold weights at once (e.g. 4 for an fp32 9B in 24 GB)",
+        )
+
     answer = sub.add_parser("answer", help="answer a System One request")
     add_request_arguments(answer)
     add_model_arguments(answer)
-    answer.add_argument("--device", default=os.environ.get("CLEF_FLASH_DEVICE", "auto"), help="auto, cpu or cuda")
-    answer.add_argument(
-        "--precision", default=os.environ.get("CLEF_FLASH_PRECISION"), choices=["fp32", "bf16"], help="default bf16"
-    )
+    add_device_arguments(answer)
     answer.add_argument("--json", action="store_true", help="print the System One response body")
     answer.add_argument("--table", action="store_true", help="print the readable table even when piped")
     answer.add_argument("--timings", action="store_true", help="add tokenize / decoder / head / total milliseconds")
@@ -239,6 +388,97 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_arguments(render)
     render.add_argument("--max-length", type=int, help="token limit (default 65536)")
     render.set_defaults(run=command_render)
+
+    serve = sub.add_parser(
+        "serve",
+        help="serve POST /v1/systemone (+ Workers AI route, /v1/models, /health, /metrics, a demo page at /)",
+    )
+    add_model_arguments(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    serve.add_argument("--port", type=int, default=8000, help="default 8000")
+    add_device_arguments(serve)
+    serve.add_argument(
+        "--api-key",
+        default=os.environ.get("CLEF_FLASH_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on the API routes (default $CLEF_FLASH_API_KEY; unset: no key)",
+    )
+    serve.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit, also after decompression (default 1 MiB)")
+    serve.add_argument("--max-length", type=int, help="token limit per record; longer ones get 422 (default 65536)")
+    serve.add_argument("--batch-tokens", type=int, help="padded tokens per batch (default: the model's, 8192)")
+    serve.add_argument("--batch-wait-ms", type=float, default=5.0, help="how long a request waits for others to batch with (default 5)")
+    serve.add_argument("--max-batch", type=int, default=64, help="records per batch (default 64; 1 turns batching off)")
+    serve.add_argument("--max-queue", type=int, default=256, help="queued records before 429 + Retry-After (default 256)")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="default info")
+    serve.set_defaults(run=command_serve)
+
+
+    batch = sub.add_parser(
+        "batch",
+        help="answer a JSONL file of requests (or of states, with --schema) into JSONL; resumable",
+        description="Each input line is a System One request, or with --schema a state: a JSON object "
+        '{"state": ..., "id": ...} or any other JSON value used as the state itself. Each output line is '
+        '{"line", "id", ...the response body} or {"line", "id", "error": {"detail": [...]}}, in input order; '
+        "id is the input's own (exactly) or its line number. Rerun the same command after a crash to resume.",
+    )
+    batch.add_argument("input", help="JSONL input")
+    batch.add_argument("output", help="JSONL output (appended to when resuming; OUTPUT.progress.json beside it)")
+    batch.add_argument("--schema", help='a JSON file {"questions": {...}, "model"?: ...} asked about every input state')
+    add_model_arguments(batch)
+    add_device_arguments(batch)
+    batch.add_argument(
+        "--batch-size", type=positive_int, default=32, help="input lines scored together and written at once (default 32)"
+    )
+    batch.add_argument("--max-length", type=positive_int, help="token limit per record; longer ones get an error line (default 65536)")
+    batch.add_argument("--overwrite", action="store_true", help="start over, replacing OUTPUT, instead of resuming")
+    batch.set_defaults(run=command_batch)
+
+    evaluate = sub.add_parser("eval", help="agreement between two models or precisions; accuracy on labelled requests")
+    evaluations = evaluate.add_subparsers(dest="evaluation", required=True, metavar="EVALUATION")
+    agreement = evaluations.add_parser(
+        "agreement",
+        help="how far --model's answers are from --against-model's (the reference) on a JSONL file of requests",
+    )
+    agreement.add_argument("requests", help="JSONL, one System One request per line")
+    add_model_arguments(agreement)
+    add_device_arguments(agreement)
+    agreement.add_argument("--against-model", required=True, help="the reference model (a source as for --model)")
+    agreement.add_argument("--against-precision", help="the reference's precision (default bf16)")
+    agreement.add_argument("--against-revision", help="hub revision of --against-model")
+    agreement.add_argument(
+        "--near-tie", type=float, default=0.05, help="a differing answer is a near-tie when the reference's top-2 margin is below this (default 0.05)"
+    )
+    agreement.add_argument("--out", help="write report.json and report.md into this directory")
+    agreement.set_defaults(run=command_eval_agreement)
+    labelled = evaluations.add_parser(
+        "labelled",
+        help="accuracy, macro-F1, log-loss, Brier, ECE and a reliability diagram on requests with expected answers",
+        description='Each line is a System One request plus "expected": {question_id: label}: a choice label, '
+        'true/false for noul, a level index or level text for score. Questions without a label are not scored.',
+    )
+    labelled.add_argument("file", help="JSONL of labelled requests")
+    add_model_arguments(labelled)
+    add_device_arguments(labelled)
+    labelled.add_argument("--out", help="write report.json, report.md and reliability.png into this directory")
+    labelled.set_defaults(run=command_eval_labelled)
+
+    bench = sub.add_parser("bench", help="latency percentiles, records/s, tokens/s and peak RSS of a model")
+    add_model_arguments(bench)
+    bench.add_argument("--random", metavar="NAME", help="instead of --model: a random model built in memory (tiny, 9b-heads, 9b-part, 9b)")
+    bench.add_argument("--seed", type=int, default=0, help="seed of --random's weights and of generated requests")
+    add_device_arguments(bench)
+    bench.add_argument("--batch-size", type=positive_int, default=1, help="records per forward (default 1)")
+    bench.add_argument("--requests", help="JSONL of requests to run (default: generated ones)")
+    bench.add_argument("--records", type=positive_int, default=8, help="generated requests (default 8)")
+    bench.add_argument("--tokens", type=positive_int, default=512, help="tokens per generated request, about; the three questions alone take ~300 (default 512)")
+    bench.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    bench.set_defaults(run=command_bench)
+    convert = sub.add_parser("convert", help="convert a release into an 8-bit bundle (memory-mapped, loads in seconds)")
+    convert.add_argument("source", help="release directory, Hugging Face repo id, or tiny")
+    convert.add_argument("destination", help="the bundle directory to write")
+    convert.add_argument("--precision", default="int8", choices=["int8"], help="weights' precision (int8)")
+    convert.add_argument("--revision", help="hub revision for a repo id")
+    convert.add_argument("--overwrite", action="store_true", help="replace an existing destination")
+    convert.set_defaults(run=command_convert)
     return parser
 
 

@@ -80,6 +80,11 @@ def pick_dtype(precision: str | None, device: torch.device) -> tuple[torch.dtype
     return PRECISIONS[precision], None
 
 
+def precision_name(dtype: torch.dtype, mode: str | None) -> str:
+    """The name `load` was asked for, as `Clef.precision` reports it: fp32, bf16, int8-weight-only, ..."""
+    return {value: key for key, value in PRECISIONS.items()}[dtype] if mode is None else f"int8-{mode}"
+
+
 class Clef:
     """A loaded clef-flash model. Build it with `clef_flash.load(source)`."""
 
@@ -255,11 +260,14 @@ def load(
     max_length: int = DEFAULT_MAX_LENGTH,
     batch_tokens: int = DEFAULT_BATCH_TOKENS,
     verify: bool = False,
+    resident_layers: int | None = None,
 ) -> Clef:
     """Load a model: a release or bundle directory, a Hugging Face repo id, or "tiny" (random weights).
 
     A bundle (`clef-flash convert`) is int8 and memory-mapped; `verify` checks its files' sha256 first.
     A release loads in fp32 or bf16, or as int8 (quantized while loading).
+    `resident_layers` (low-memory mode): at most that many decoder layers hold weights at once, each
+    filled from the memory-mapped files just before it runs (slower: every forward reads every layer).
     """
     root = Path(resolve_source(source, revision=revision))
     resolved_device = pick_device(device)
@@ -270,15 +278,18 @@ def load(
                 f"for {precision}, load the release it was converted from"
             )
         dtype, mode = pick_dtype(precision or "int8", resolved_device)
-        release = load_bundle(root, device=resolved_device, dtype=dtype, mode=mode, check=verify)
+        release = load_bundle(
+            root, device=resolved_device, dtype=dtype, mode=mode, check=verify, resident_layers=resident_layers
+        )
     else:
         dtype, mode = pick_dtype(precision, resolved_device)
-        release = load_release(root, device=resolved_device, dtype=dtype, quantization=mode)
-    name = {value: key for key, value in PRECISIONS.items()}[dtype] if mode is None else f"int8-{mode}"
+        release = load_release(
+            root, device=resolved_device, dtype=dtype, quantization=mode, resident_layers=resident_layers
+        )
     return Clef(
         release,
         device=resolved_device,
-        precision=name,
+        precision=precision_name(dtype, mode),
         source=os.fspath(source),
         max_length=max_length,
         batch_tokens=batch_tokens,

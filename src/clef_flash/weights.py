@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Protocol
@@ -184,6 +185,7 @@ def fill_module(
     *,
     dtype_of: Callable[[str], torch.dtype | None],
     device: torch.device,
+    strict: bool = True,
 ) -> None:
     """Assign tensors (name relative to `module`) into a meta-device module.
 
@@ -194,7 +196,50 @@ def fill_module(
         dtype = dtype_of(name) if tensor.dtype != torch.int8 else None  # 8-bit weights stay 8-bit
         dtype = dtype or tensor.dtype  # None: as stored (e.g. a memory-mapped embedding table, never copied)
         state[name] = tensor.to(device=device, dtype=dtype)
-    module.load_state_dict(state, strict=True, assign=True)
+    module.load_state_dict(state, strict=strict, assign=True)
+
+
+class LayerWindow:
+    """At most `size` decoder layers hold weights at once; the others wait on the meta device.
+
+    A layer is filled from the tensor source when it is about to run, evicting the least recently run.
+    """
+
+    def __init__(self, size: int, tensors: TensorSource, *, dtype_of, device: torch.device):
+        if size < 1:
+            raise ValueError(f"resident layers must be at least 1, not {size}")
+        self.size, self.tensors, self.dtype_of, self.device = size, tensors, dtype_of, device
+        self.resident: OrderedDict[str, nn.Module] = OrderedDict()
+        self.most_resident = 0  # the largest number of layers filled at once (for tests and reports)
+
+    def enter(self, prefix: str, layer: nn.Module) -> None:
+        if prefix in self.resident:
+            self.resident.move_to_end(prefix)
+            return
+        while len(self.resident) >= self.size:
+            self.resident.popitem(last=False)[1].to_empty(device="meta")  # frees the weights
+        names = [name for name, _ in layer.state_dict().items()]
+        fill_module(
+            layer,
+            ((name, self.tensors.get(prefix + name)) for name in names),
+            dtype_of=lambda name: self.dtype_of(prefix.removeprefix(DECODER_PREFIX) + name),
+            device=self.device,
+        )
+        self.resident[prefix] = layer
+        self.most_resident = max(self.most_resident, len(self.resident))
+
+
+class StreamedLayer(nn.Module):
+    """A decoder layer that asks its window for its weights before it runs."""
+
+    def __init__(self, layer: nn.Module, prefix: str, window: LayerWindow):
+        super().__init__()
+        self.layer, self.prefix = layer, prefix
+        self.window = window  # shared by all layers (not a module: no state of its own)
+
+    def forward(self, *args, **kwargs):
+        self.window.enter(self.prefix, self.layer)
+        return self.layer(*args, **kwargs)
 
 
 def config_fingerprint(config: dict) -> str:
@@ -247,7 +292,12 @@ class TensorSource(Protocol):
 
 
 def load_release(
-    root: Path, *, device: torch.device, dtype: torch.dtype, quantization: str | None = None
+    root: Path,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    quantization: str | None = None,
+    resident_layers: int | None = None,
 ) -> Release:
     """Strictly load the decoder, output embeddings, head and tokenizer of a release directory.
 
@@ -270,6 +320,7 @@ def load_release(
         dtype=dtype,
         root=root,
         quantization=quantization,
+        resident_layers=resident_layers,
     )
 
 
@@ -284,8 +335,12 @@ def build_release(
     dtype: torch.dtype,
     root: Path | None = None,
     quantization: str | None = None,
+    resident_layers: int | None = None,
 ) -> Release:
     """Build the modules on the meta device, check every name and shape, and fill them from the sources.
+
+    `resident_layers` (low-memory mode): decoder layers stay unfilled and at most that many hold their
+    weights at once, each filled from the (memory-mapped) source just before it runs (`LayerWindow`).
 
     `dtype` is the compute dtype. With `quantization` (an int8 mode) the decoder's projections are
     `Int8Linear`s filled from a source that holds int8 weights and their scales (a bundle, or a
@@ -319,11 +374,21 @@ def build_release(
     available = {name: tensors.shape(name) for name in tensors.keys()}
     check_keys(expected, available).raise_if_any(f"{where} (model*.safetensors)")
 
+    def dtype_of(name: str) -> torch.dtype | None:
+        return None if quantization and name == EMBEDDING else decoder_dtype_of(name, dtype)
+
+    names = [name[len(DECODER_PREFIX) :] for name in expected if name != LM_HEAD]
+    if resident_layers:
+        window = LayerWindow(resident_layers, tensors, dtype_of=dtype_of, device=device)
+        for index, layer in enumerate(decoder.layers):
+            decoder.layers[index] = StreamedLayer(layer, f"{DECODER_PREFIX}layers.{index}.", window)
+        names = [name for name in names if not name.startswith("layers.")]
     fill_module(
         decoder,
-        ((name[len(DECODER_PREFIX):], tensors.get(name)) for name in expected if name != LM_HEAD),
-        dtype_of=lambda name: None if quantization and name == EMBEDDING else decoder_dtype_of(name, dtype),
+        ((name, tensors.get(DECODER_PREFIX + name)) for name in names),
+        dtype_of=dtype_of,
         device=device,
+        strict=not resident_layers,
     )
     lm_head = tensors.get(LM_HEAD).to(device)
 
