@@ -1,6 +1,9 @@
 """Whole-record latency: clef-flash beside the reference path (transformers + the authors' head), same run.
 
-    python benchmarks/model.py [--config 9b-part] [--precisions fp32,bf16] [--repeats 3] [--rounds 2]
+    python benchmarks/model.py [--config 9b-part] [--precisions fp32,bf16,int8] [--repeats 3] [--rounds 2]
+
+An int8 row (ours: int8 weights from the release, quantized at load) runs beside the reference in
+`--int8-reference` precision (default bf16: the reference has no 8-bit path).
     python benchmarks/model.py --profile bf16      # where our time goes: ops by self time, and stage timings
 
 A ~370-token record with 3 questions on a random release (default: one 4-layer "part" of the 9B model,
@@ -46,7 +49,7 @@ def run_one(args) -> None:
     import torch
 
     request = typical_request()
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.precision]
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(args.precision)
     root = Path(args.release_dir)
     started = time.perf_counter()
     if args.impl == "ours":
@@ -86,7 +89,7 @@ def matmul_rate(precision: str) -> float:
     """GFLOP/s of a 4096-square matmul in this dtype on this machine, now."""
     import torch
 
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(precision, torch.float32)  # int8: fp32 compute
     a = torch.randn(4096, 4096, dtype=dtype)
     b = torch.randn(4096, 4096, dtype=dtype)
     ms = median_ms(lambda: a @ b, repeats=5, warmup=1)
@@ -97,7 +100,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="9b-part")
     parser.add_argument("--release-dir", default="runs/release-9b-part")
-    parser.add_argument("--precisions", default="fp32,bf16")
+    parser.add_argument("--precisions", default="fp32,bf16,int8")
+    parser.add_argument("--int8-reference", default="bf16", help="the reference's precision beside an int8 row")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--profile", choices=["fp32", "bf16"], help="profile our path in this precision instead")
@@ -124,7 +128,8 @@ def main() -> None:
         runs: dict[str, list[dict]] = {"reference": [], "ours": []}
         for _ in range(args.rounds):
             for impl in ("reference", "ours"):
-                command = [sys.executable, __file__, "--impl", impl, "--precision", precision,
+                run_precision = args.int8_reference if impl == "reference" and precision.startswith("int8") else precision
+                command = [sys.executable, __file__, "--impl", impl, "--precision", run_precision,
                            "--release-dir", str(root), "--repeats", str(args.repeats)]
                 output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
                 runs[impl].append(json.loads(output.strip().splitlines()[-1]))

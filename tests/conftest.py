@@ -117,3 +117,15 @@ def reference_models(reference, tiny_dir, heads_dir):
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models are all overhead: on a shared 2-core machine a second intra-op thread makes a
+    tiny forward up to 50x slower (spinning on a busy core). The results do not depend on it."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

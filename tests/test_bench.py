@@ -19,14 +19,7 @@ FIELDS = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny models are all overhead: on a shared 2-core machine a second intra-op thread makes a
-    tiny forward up to 50x slower (spinning on a busy core). The results do not depend on it."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +114,6 @@ def test_bench_command_on_a_release_and_on_a_random_model(capsys, tiny_dir, tmp_
         (["bench", "--random", "huge"], "unknown random config 'huge'"),
         (["bench", "--requests", "/no/such.jsonl"], "no input file at /no/such.jsonl"),
         (["bench", "--model", "/no/such/dir"], "no model at '/no/such/dir'"),
-        (["bench", "--random", "tiny", "--precision", "fp16"], "unknown precision 'fp16'"),
     ],
 )
 def test_errors_are_one_clear_line(capsys, argv, message):

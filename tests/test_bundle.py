@@ -182,7 +182,7 @@ def test_convert_command(tiny_dir, tmp_path, capsys):
     assert "error:" in capsys.readouterr().err
 
 
-AGREEMENT_REQUESTS = 16
+AGREEMENT_REQUESTS = 12
 
 
 @pytest.fixture(scope="module")
@@ -243,3 +243,8 @@ def test_answer_command_on_a_bundle_with_verify_and_resident_layers(bundle_dir, 
     assert 0.0 <= json.loads(captured.out)["answers"]["refund"]["noul"] <= 1.0
     with pytest.raises(SystemExit):  # argparse refuses 0 with its usage line
         main(["answer", "--model", str(bundle_dir), "--resident-layers", "0", "--state", "x", "--question", "r=noul:R?"])
+
+
+def test_unknown_precision_is_a_clear_error(tiny_dir):
+    with pytest.raises(ClefError, match="unknown precision 'fp16': use one of fp32, bf16, fp64, int8, int8-weight-only, int8-w8a8"):
+        clef_flash.load(tiny_dir, device="cpu", precision="fp16")

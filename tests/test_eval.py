@@ -30,16 +30,7 @@ from clef_flash.evaluate import (
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny models are all overhead: on a shared 2-core machine a second intra-op thread makes a
-    tiny forward up to 50x slower (spinning on a busy core). The results do not depend on it."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # Four records, each with a yes/no question and a three-way choice, with known probabilities.

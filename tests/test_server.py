@@ -596,7 +596,10 @@ def test_serve_command(model, monkeypatch, capsys):
     monkeypatch.setattr(clef_flash.server, "serve", lambda served, **options: calls.setdefault("serve", (served, options)))
     monkeypatch.setenv("CLEF_FLASH_API_KEY", "from-env")
     assert main(["serve", "--model", "tiny", "--port", "9001", "--max-length", "512", "--batch-wait-ms", "0", "--max-batch", "1"]) == 0
-    assert calls["load"] == ("tiny", {"device": "auto", "precision": None, "revision": None, "max_length": 512})
+    assert calls["load"] == (
+        "tiny",
+        {"device": "auto", "precision": None, "revision": None, "verify": False, "resident_layers": None, "max_length": 512},
+    )
     served, options = calls["serve"]
     assert served is model
     assert options == {
