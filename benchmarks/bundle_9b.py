@@ -1,0 +1,105 @@
+"""The 8-bit bundle at real size: a random release with the full 9B shapes, converted, loaded and answering.
+
+    python benchmarks/bundle_9b.py [--dir runs] [--config 9b] [--precision int8] [--skip-write]
+
+Writes `DIR/release-9b` (32 layers, hidden 4096, vocabulary 248,320: about 19 GB of bf16, generated, never
+committed) unless it is there, converts it to `DIR/bundle-9b`, then in a fresh process loads the bundle
+and answers one ~370-token, 3-question record twice (the first reads the weights from disk, the second
+runs from the page cache). Each step runs in its own process, so each peak RSS is its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_step(code: str) -> tuple[dict, float, float]:
+    """Run `code` in a fresh Python; it prints one JSON line last. Returns (it, wall seconds, peak RSS GB)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    start = time.perf_counter()
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, capture_output=True, text=True, check=False
+    )
+    wall = time.perf_counter() - start
+    if result.returncode:
+        sys.exit(f"step failed:\n{result.stderr[-3000:]}")
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    # ru_maxrss of children is the largest child so far; steps run in increasing order of interest
+    return json.loads(result.stdout.strip().splitlines()[-1]), wall, max(peak, before) / 1024**2
+
+
+def directory_gb(path: Path) -> float:
+    return sum(file.stat().st_size for file in path.iterdir() if file.is_file()) / 1e9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", default="runs", help="where the release and the bundle are written (gitignored)")
+    parser.add_argument("--config", default="9b", help="random config name (9b; 9b-part for a quicker run)")
+    parser.add_argument("--precision", default="int8", help="int8, int8-weight-only or int8-w8a8")
+    args = parser.parse_args()
+    base = Path(args.dir).resolve()
+    release, bundle = base / f"release-{args.config}", base / f"bundle-{args.config}"
+
+    if not (release / "config.json").is_file():
+        print(f"writing the random {args.config} release to {release} ...", flush=True)
+        _, wall, peak = run_step(
+            f"""
+            import json
+            from clef_flash.testing import write_random_release
+            write_random_release({str(release)!r}, {args.config!r}, seed=0)
+            print(json.dumps({{}}))
+            """
+        )
+        print(f"  written in {wall:.0f} s ({directory_gb(release):.1f} GB)", flush=True)
+
+    print(f"converting to {bundle} ...", flush=True)
+    _, convert_s, convert_rss = run_step(
+        f"""
+        import json
+        from clef_flash.bundle import convert
+        convert({str(release)!r}, {str(bundle)!r}, overwrite=True, progress=False)
+        print(json.dumps({{}}))
+        """
+    )
+    print(f"  {convert_s:.0f} s, peak RSS {convert_rss:.2f} GB, bundle {directory_gb(bundle):.2f} GB "
+          f"(release {directory_gb(release):.2f} GB)", flush=True)
+
+    answer, _, answer_rss = run_step(
+        f"""
+        import json, sys, time
+        sys.path.insert(0, "benchmarks")
+        start = time.perf_counter()
+        import clef_flash
+        from common import typical_request
+        model = clef_flash.load({str(bundle)!r}, device="cpu", precision={args.precision!r})
+        ready = time.perf_counter() - start
+        request = typical_request()
+        times = []
+        for _ in range(2):
+            begin = time.perf_counter()
+            model.answer(request)
+            times.append(time.perf_counter() - begin)
+        print(json.dumps({{"ready_s": ready, "first_s": times[0], "second_s": times[1],
+                          "tokens": model.last_timings.tokens, "timings": model.last_timings.as_dict()}}))
+        """
+    )
+    print(
+        f"load until ready: {answer['ready_s']:.2f} s; {answer['tokens']}-token record: first answer "
+        f"{answer['first_s']:.1f} s (weights read from disk), second {answer['second_s']:.1f} s; "
+        f"peak RSS {answer_rss:.2f} GB ({args.precision})"
+    )
+    print(f"  second answer by stage: {answer['timings']}")
+
+
+if __name__ == "__main__":
+    main()
