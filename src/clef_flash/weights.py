@@ -10,6 +10,7 @@ memory-mapped files, so loading never holds two copies of the weights.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -177,6 +178,21 @@ def check_keys(expected: dict[str, tuple[int, ...]], available: dict[str, tuple[
 
 def module_shapes(module: nn.Module, prefix: str = "") -> dict[str, tuple[int, ...]]:
     return {prefix + name: tuple(tensor.shape) for name, tensor in module.state_dict().items()}
+
+
+@contextlib.contextmanager
+def skipped_initialization():
+    """Modules built only to be filled need no random init: on the meta device torch runs it through its
+    Python reference ops, whose first use imports torch._dynamo (about 2 s of a bundle's load)."""
+    names = [name for name in dir(nn.init) if name.endswith("_") and not name.startswith("_")]
+    saved = {name: getattr(nn.init, name) for name in names}
+    try:
+        for name in names:
+            setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(nn.init, name, function)
 
 
 def fill_module(
@@ -363,7 +379,7 @@ def build_release(
             f"the decoder has {text_config.hidden_size}"
         )
 
-    with torch.device("meta"):
+    with torch.device("meta"), skipped_initialization():
         decoder = Qwen35Decoder(text_config)
         head = JointHead(parsed_head_config)
     if quantization:
