@@ -24,8 +24,8 @@ from conftest import ReferenceModel, load_reference_module  # noqa: E402
 
 import clef_flash  # noqa: E402
 from clef_flash import quant  # noqa: E402
-from clef_flash.testing import write_random_release  # noqa: E402
-from clef_flash.testing.requests import random_requests  # noqa: E402
+from clef_flash.checkpoint.random_release import write_random_release  # noqa: E402
+from clef_flash.request.samples import random_requests  # noqa: E402
 
 
 def probabilities(logits: dict[str, float]) -> torch.Tensor:

@@ -55,7 +55,7 @@ def main() -> None:
         _, wall, peak = run_step(
             f"""
             import json
-            from clef_flash.testing import write_random_release
+            from clef_flash.checkpoint.random_release import write_random_release
             write_random_release({str(release)!r}, {args.config!r}, seed=0)
             print(json.dumps({{}}))
             """
@@ -66,7 +66,7 @@ def main() -> None:
     _, convert_s, convert_rss = run_step(
         f"""
         import json
-        from clef_flash.bundle import convert
+        from clef_flash.checkpoint.bundle import convert
         convert({str(release)!r}, {str(bundle)!r}, overwrite=True, progress=False)
         print(json.dumps({{}}))
         """

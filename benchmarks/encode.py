@@ -19,9 +19,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from common import median_ms, typical_request  # noqa: E402
 from conftest import load_reference_module  # noqa: E402
 
-from clef_flash.records import encode_record  # noqa: E402
-from clef_flash.testing.vocab import write_tokenizer_files  # noqa: E402
-from clef_flash.tokenizer import Tokenizer  # noqa: E402
+from clef_flash.request.records import encode_record  # noqa: E402
+from clef_flash.checkpoint.vocab import write_tokenizer_files  # noqa: E402
+from clef_flash.request.tokenizer import Tokenizer  # noqa: E402
 
 
 def main() -> None:

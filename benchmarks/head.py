@@ -18,7 +18,8 @@ from dataclasses import asdict
 
 import torch
 
-from clef_flash.model.joint_head import HeadConfig, JointHead, build_head_batch, split_logits
+from clef_flash.model.head_batch import build_head_batch, split_logits
+from clef_flash.model.joint_head import HeadConfig, JointHead
 
 try:
     from clef_finetune._vendor.joint_schema_model import EncodedQuestion, EncodedRecord, JointSchemaHead

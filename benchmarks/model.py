@@ -116,7 +116,7 @@ def main() -> None:
         return
 
     from clef_flash.model.config import TextConfig
-    from clef_flash.testing import write_random_release
+    from clef_flash.checkpoint.random_release import write_random_release
 
     root = Path(args.release_dir)
     if not (root / "config.json").exists():

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import httpx
 
-from clef_flash.testing.requests import random_request
+from clef_flash.request.samples import random_request
 
 RANDOM_CONFIGS = ("9b-heads", "9b-part")  # generated here; "tiny" is cached by the package itself
 
@@ -128,7 +128,7 @@ async def load(base_url: str, bodies: list[dict], concurrency: int, count: int) 
 def resolve_model(model: str) -> str:
     if model not in RANDOM_CONFIGS:
         return model
-    from clef_flash.testing import write_random_release
+    from clef_flash.checkpoint.random_release import write_random_release
 
     out = Path(tempfile.gettempdir()) / f"clef-flash-bench-{model}"
     if not (out / "config.json").is_file():

@@ -35,7 +35,7 @@ def reference():
 
 @pytest.fixture(scope="session")
 def vocab_dir(tmp_path_factory) -> Path:
-    from clef_flash.testing.vocab import write_tokenizer_files
+    from clef_flash.checkpoint.vocab import write_tokenizer_files
 
     out = tmp_path_factory.mktemp("vocab")
     write_tokenizer_files(out)
@@ -44,7 +44,7 @@ def vocab_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tokenizer(vocab_dir):
-    from clef_flash.tokenizer import Tokenizer
+    from clef_flash.request.tokenizer import Tokenizer
 
     return Tokenizer.from_file(vocab_dir)
 
@@ -58,7 +58,7 @@ def hf_tokenizer(vocab_dir):
 
 @pytest.fixture(scope="session")
 def tiny_dir() -> Path:
-    from clef_flash.testing import tiny_release
+    from clef_flash.checkpoint.random_release import tiny_release
 
     return tiny_release()
 
@@ -66,7 +66,7 @@ def tiny_dir() -> Path:
 @pytest.fixture(scope="session")
 def heads_dir(tmp_path_factory) -> Path:
     """A random release with the 9B per-head sizes at hidden 256 (about 2 s to write)."""
-    from clef_flash.testing import write_random_release
+    from clef_flash.checkpoint.random_release import write_random_release
 
     return write_random_release(tmp_path_factory.mktemp("release") / "9b-heads", "9b-heads", seed=1)
 

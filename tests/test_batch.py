@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from clef_flash.batch import BatchJob, ProgressReporter, format_duration, progress_path
+from clef_flash.batch import BatchJob, progress_path
+from clef_flash.console import ProgressBar, format_duration
 from clef_flash.cli import main
 from clef_flash.errors import ClefError
 
@@ -217,7 +218,7 @@ class Terminal(io.StringIO):
 
 def test_progress_is_a_bar_on_a_terminal_and_lines_otherwise():
     piped = io.StringIO()
-    progress = ProgressReporter(10, done=2, stream=piped, interval=0)
+    progress = ProgressBar(10, "batch", done=2, stream=piped, interval=0)
     progress.advance(4)
     progress.finish()
     lines = piped.getvalue().splitlines()
@@ -225,7 +226,7 @@ def test_progress_is_a_bar_on_a_terminal_and_lines_otherwise():
     assert "records/s" in lines[0]
 
     terminal = Terminal()
-    progress = ProgressReporter(4, stream=terminal)
+    progress = ProgressBar(4, "batch", stream=terminal)
     progress.last -= 1  # as if the last redraw were a second ago
     progress.advance(2)
     progress.finish()

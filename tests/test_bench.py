@@ -9,9 +9,10 @@ import torch
 
 from clef_flash.bench import bench
 from clef_flash.cli import main
-from clef_flash.testing import RandomTensors, random_model, tiny_release
-from clef_flash.testing.requests import request_of_tokens
-from clef_flash.weights import SafetensorsFiles
+from clef_flash.checkpoint.random_release import RandomTensors, tiny_release
+from clef_flash.request.samples import request_of_tokens
+from clef_flash.checkpoint.safetensors_io import SafetensorsFiles
+from clef_flash.checkpoint.sources import release_files
 
 FIELDS = {
     "model", "random_weights", "precision", "device", "batch_size", "records", "forwards", "tokens_per_record",
@@ -31,7 +32,7 @@ def model(tiny_dir):
 
 def test_random_tensors_are_the_files_tensors(tiny_dir):
     for files, drawn in (
-        (SafetensorsFiles.of_release(tiny_dir), RandomTensors.of_model("tiny", seed=0)),
+        (SafetensorsFiles(release_files(tiny_dir)), RandomTensors.of_model("tiny", seed=0)),
         (SafetensorsFiles([tiny_dir / "joint_head.safetensors"]), RandomTensors.of_head("tiny", seed=0)),
     ):
         assert drawn.keys() == files.keys()
@@ -52,7 +53,7 @@ def test_random_model_answers_as_the_written_release(model):
             "level": {"type": "score", "criteria": ["Low", "Normal", "High"]},
         },
     }
-    built = random_model("tiny", seed=0, precision="fp32")
+    built = load("random:tiny", device="cpu", precision="fp32")
     assert built.is_random and built.source == "random:tiny" and built.precision == "fp32"
     loaded = load(tiny_release(), device="cpu", precision="fp32")
     # Equal tensors; the files' head tensors are memory-mapped at unaligned offsets, which moves

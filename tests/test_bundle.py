@@ -9,11 +9,14 @@ import pytest
 import torch
 
 import clef_flash
-from clef_flash import bundle as bundle_module
-from clef_flash.bundle import FORMAT, FORMAT_VERSION, MANIFEST, MappedSafetensors, convert, sha256_of
+from clef_flash.checkpoint import bundle as bundle_module
+from clef_flash.checkpoint import safetensors_io
+from clef_flash.checkpoint.bundle import FORMAT, FORMAT_VERSION, MANIFEST, convert
+from clef_flash.checkpoint.safetensors_io import MappedSafetensors, sha256_of
+from clef_flash.model.precision import is_quantized
 from clef_flash.cli import main
 from clef_flash.errors import BundleError, ClefError, ModelSourceError
-from clef_flash.testing.requests import random_requests
+from clef_flash.request.samples import random_requests
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +33,7 @@ def test_manifest_describes_every_file_and_tensor(bundle_dir, tiny_dir):
     assert manifest["format"] == FORMAT and manifest["format_version"] == FORMAT_VERSION
     assert manifest["precision"] == "int8" and "per output channel" in manifest["scheme"]["weights"]
     assert manifest["config"] == json.loads((tiny_dir / "config.json").read_text())
-    assert manifest["source"]["config_sha256"] == clef_flash.weights.config_fingerprint(manifest["config"])
+    assert manifest["source"]["config_sha256"] == clef_flash.checkpoint.sources.config_fingerprint(manifest["config"])
     on_disk = {path.name for path in bundle_dir.iterdir()}
     assert on_disk == set(manifest["files"]) | {MANIFEST}
     for name, entry in manifest["files"].items():
@@ -42,7 +45,7 @@ def test_manifest_describes_every_file_and_tensor(bundle_dir, tiny_dir):
             held.update({tensor: name for tensor in MappedSafetensors(bundle_dir / name).keys()})
     assert held == {name: entry["file"] for name, entry in manifest["tensors"].items()}
     decoder = [name for name in manifest["tensors"] if name.startswith("model.language_model.")]
-    quantized = {name for name in decoder if clef_flash.quant.is_quantized(name, (1, 1))}
+    quantized = {name for name in decoder if is_quantized(name, (1, 1))}
     assert {manifest["tensors"][name]["dtype"] for name in quantized} == {"int8"}
     assert any(name.endswith("in_proj_qkv.weight") for name in quantized)
     kept = [name for name in manifest["tensors"] if name.endswith(("in_proj_a.weight", "in_proj_b.weight"))]
@@ -74,8 +77,8 @@ def test_writer_matches_the_library_reader_on_odd_shapes(tmp_path):
         "fp32": torch.randn(2, 3, 1),
         "empty": torch.empty(0, 4),
     }
-    plan = [bundle_module.PlannedTensor(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()]
-    digest = bundle_module.write_safetensors(tmp_path / "x.safetensors", plan, lambda p: tensors[p.name])
+    plan = [safetensors_io.PlannedTensor(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()]
+    digest = safetensors_io.write_safetensors(tmp_path / "x.safetensors", plan, lambda p: tensors[p.name])
     assert digest == sha256_of(tmp_path / "x.safetensors")
     loaded = load_file(str(tmp_path / "x.safetensors"))
     mapped = MappedSafetensors(tmp_path / "x.safetensors")
@@ -94,7 +97,7 @@ def test_bundle_answers_equal_the_release_quantized_at_load(bundle_dir, tiny_dir
 
 
 def test_embeddings_stay_in_the_memory_map(bundle_dir):
-    release = clef_flash.load(bundle_dir, device="cpu").release
+    release = clef_flash.load(bundle_dir, device="cpu").parts
     for tensor, file in ((release.decoder.embed_tokens.weight, "embeddings.safetensors"), (release.lm_head, "lm_head.safetensors")):
         assert tensor.dtype == torch.bfloat16
         # a view of the file's map, not a copy: its storage is the whole file
@@ -229,9 +232,9 @@ def test_low_memory_mode_gives_the_same_answers_with_few_layers_resident(tiny_di
     low = clef_flash.load(source, device="cpu", precision=precision, resident_layers=2)
     for request in requests:
         assert low.logits(request) == whole.logits(request)
-    window = low.release.decoder.layers[0].window
-    assert window.most_resident == 2 < len(low.release.decoder.layers)
-    resident = [layer for layer in low.release.decoder.layers if not layer.layer.input_layernorm.weight.is_meta]
+    window = low.parts.decoder.layers[0].window
+    assert window.most_resident == 2 < len(low.parts.decoder.layers)
+    resident = [layer for layer in low.parts.decoder.layers if not layer.layer.input_layernorm.weight.is_meta]
     assert len(resident) == 2  # the others hold no weights between forwards
 
 

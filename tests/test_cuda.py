@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import clef_flash
-from clef_flash.testing.requests import random_requests
+from clef_flash.request.samples import random_requests
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 

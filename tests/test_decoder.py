@@ -186,7 +186,14 @@ def test_matches_transformers_fp32(models, name, length):
     err = rel(out, ref)
     print(f"{name} L={length}: fp32 ours vs transformers max|d|/max|ref| = {err:.1e}")
     assert out.shape == ref.shape and out.dtype == torch.float32
-    assert err <= 1e-4
+    if err > 1e-4:
+        # fp32's own rounding reaches a few 1e-4 at L=1100 on some CPUs (seen on a Sapphire Rapids):
+        # then both fp32 paths are judged against our float64 decoder, and ours must be as close as HF's.
+        with torch.inference_mode():
+            truth = converted(ours, torch.float64)(ids)
+        ours_error, reference_error = rel(out.double(), truth), rel(ref.double(), truth)
+        print(f"  vs float64: ours {ours_error:.1e}, transformers {reference_error:.1e}")
+        assert ours_error <= 1.5 * reference_error
 
 
 @pytest.mark.parametrize(("name", "lengths"), [("9b-heads", [130, 65, 1]), ("odd", [370, 200, 65, 1])])

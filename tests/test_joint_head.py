@@ -9,13 +9,8 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from clef_flash.model.joint_head import (
-    HeadConfig,
-    JointHead,
-    build_head_batch,
-    softmax_per_question,
-    split_logits,
-)
+from clef_flash.model.head_batch import build_head_batch, softmax_per_question, split_logits
+from clef_flash.model.joint_head import HeadConfig, JointHead
 
 REAL = HeadConfig(hidden_size=4096, width=1024, routing_layers=2, layers=4, heads=16, feedforward=4096)
 SMALL = HeadConfig(hidden_size=72, width=48, routing_layers=2, layers=2, heads=4, feedforward=80)

@@ -10,7 +10,7 @@ import torch
 
 import clef_flash
 from clef_flash.engine import Timings
-from clef_flash.testing.requests import random_request, random_requests
+from clef_flash.request.samples import random_request, random_requests
 
 RELEASES = ["tiny", "9b-heads"]
 

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from clef_flash.errors import RequestInvalid
-from clef_flash.protocol import (
+from clef_flash.request.protocol import (
     DEFAULT_MODEL_NAME,
     MAX_CHOICE_OPTIONS,
     MAX_ID_LENGTH,
@@ -23,9 +23,8 @@ from clef_flash.protocol import (
     SystemOneResponse,
     parse_request,
     parse_request_json,
-    shape_answer,
-    shape_response,
 )
+from clef_flash.request.answers import shape_answer, shape_response
 
 NOUL = {"type": "noul", "instructions": "Is this about billing?"}
 CHOICE = {"type": "choice", "instructions": "Tone?", "criteria": {"calm": None, "angry": "An upset message"}}

@@ -6,12 +6,14 @@ import pytest
 import torch
 from torch import nn
 
-from clef_flash import quant
-from clef_flash.quant import (
+
+from clef_flash.checkpoint import quant
+from clef_flash.model.precision import is_quantized
+from clef_flash.checkpoint.quant import (
     Int8Linear,
     QuantizingSource,
     dequantize,
-    is_quantized,
+
     quantize_per_channel,
     quantize_per_token,
     replace_linears,

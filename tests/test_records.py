@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from clef_flash.errors import RecordTooLong
-from clef_flash.records import encode_record
+from clef_flash.request.records import encode_record
 
 COMPARED: list[int] = []  # one entry per generated request compared (and found equal)
 

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 import clef_flash
 from clef_flash.server import create_app
 from clef_flash.server.app import _zstd
-from clef_flash.testing.requests import random_request
+from clef_flash.request.samples import random_request
 from clef_flash.testing.server import running_server
 
 QUESTIONS = {
@@ -212,14 +212,14 @@ def test_models_and_health(client, model):
     assert "RANDOM WEIGHTS" in models[0]["description"]
     health = client.get("/health").json()
     assert health["status"] == "ready" and health["model"] == "clef-flash"
-    assert health["fingerprint"]["config"] == model.release.fingerprint
+    assert health["fingerprint"]["config"] == model.checkpoint.fingerprint
     assert re.fullmatch(r"[0-9a-f]{64}", health["fingerprint"]["weights"])
     assert (health["precision"], health["device"], health["random_weights"]) == ("fp32", "cpu", True)
 
 
 def test_weights_fingerprint_tells_releases_apart(tmp_path):
-    from clef_flash.server.app import weights_fingerprint
-    from clef_flash.testing import write_random_release
+    from clef_flash.checkpoint.sources import weights_fingerprint
+    from clef_flash.checkpoint.random_release import write_random_release
 
     first = write_random_release(tmp_path / "a", "tiny", seed=0)
     second = write_random_release(tmp_path / "b", "tiny", seed=1)

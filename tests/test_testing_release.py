@@ -19,8 +19,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from clef_flash.testing import release as release_module
-from clef_flash.testing.release import (
+from clef_flash.checkpoint import random_release as release_module
+from clef_flash.checkpoint.random_release import (
     HEAD_SCALARS,
     RANDOM_CONFIGS,
     draw_tensor,
@@ -136,7 +136,7 @@ def test_config_json_round_trips_through_transformers_unchanged(tiny, tmp_path):
 
 
 def test_vision_and_special_token_ids_are_the_real_ones(tiny):
-    from clef_flash.testing.vocab import special_tokens
+    from clef_flash.checkpoint.vocab import special_tokens
 
     ids = {text: token_id for token_id, text in special_tokens().items()}
     config = json.loads((tiny / "config.json").read_text())
@@ -163,11 +163,11 @@ def test_tensor_table_is_transformers_state_dict(which):
 def test_configs_read_back_as_the_runtime_configs(which):
     """config.json and joint_head_config.json load, through the runtime's readers, as the very
     TextConfig and HeadConfig the release was built from (they are the runtime's classes)."""
-    from clef_flash import testing
+    from clef_flash.checkpoint import random_release
     from clef_flash.model.config import QWEN3_5_9B, TextConfig
     from clef_flash.model.joint_head import HeadConfig
 
-    assert testing.TextConfig is TextConfig and testing.HeadConfig is HeadConfig
+    assert random_release.TextConfig is TextConfig and random_release.HeadConfig is HeadConfig
     config = RANDOM_CONFIGS[which]
     written = json.loads(json.dumps(release_config(config)))
     assert TextConfig.from_release_config(written) == config.text
@@ -180,7 +180,7 @@ def test_configs_read_back_as_the_runtime_configs(which):
 
 
 def test_random_config_rejects_a_head_of_another_width():
-    from clef_flash.testing import RandomConfig
+    from clef_flash.checkpoint.random_release import RandomConfig
 
     tiny = RANDOM_CONFIGS["tiny"]
     with pytest.raises(ValueError, match="hidden_size 32 is not the decoder's 64"):

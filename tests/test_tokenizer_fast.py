@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from clef_flash import tokenizer as tokenizer_module
-from clef_flash.tokenizer import ASCII_SPLIT_PATTERN, QWEN3_5_SPLIT_PATTERN, SPECIAL_TOKEN_IDS, Tokenizer
+from clef_flash.request import tokenizer as tokenizer_module
+from clef_flash.request.tokenizer import ASCII_SPLIT_PATTERN, QWEN3_5_SPLIT_PATTERN, SPECIAL_TOKEN_IDS, Tokenizer
 
 COMPARED: dict[str, int] = {}  # texts compared (and found equal), by test
 
@@ -58,13 +58,13 @@ def test_fast_path_is_on_for_the_qwen35_tokenizer(tokenizer):
 
 
 def test_split_pattern_is_qwen_tokenizers():
-    from clef_flash.testing.vocab import split_pattern
+    from clef_flash.checkpoint.vocab import split_pattern
 
     assert QWEN3_5_SPLIT_PATTERN == split_pattern()
 
 
 def test_ascii_byte_level_table_is_gpt2s():
-    from clef_flash.testing.vocab import _byte_to_unicode
+    from clef_flash.checkpoint.vocab import _byte_to_unicode
 
     expected = {byte: char for byte, char in _byte_to_unicode().items() if byte < 128}
     assert tokenizer_module._ascii_byte_level() == expected
@@ -201,7 +201,7 @@ def tiny_backend():
     from tokenizers import normalizers, pre_tokenizers
     from tokenizers.models import BPE
 
-    from clef_flash.testing.vocab import _byte_to_unicode
+    from clef_flash.checkpoint.vocab import _byte_to_unicode
 
     byte_chars = _byte_to_unicode()
     vocab = {byte_chars[byte]: byte for byte in range(256)}

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from clef_flash.testing.vocab import BPE_TOKENS, cached_tokenizer_json, special_tokens
+from clef_flash.checkpoint.vocab import BPE_TOKENS, cached_tokenizer_json, special_tokens
 
 pytest.importorskip("tiktoken")
 
@@ -194,7 +194,7 @@ def test_ignore_merges_in_a_file_is_overridden_like_the_reference(vocab_dir, tmp
     """A tokenizer.json with ignore_merges on still tokenizes as transformers' Qwen3_5Tokenizer does."""
     import json
 
-    from clef_flash.tokenizer import Tokenizer
+    from clef_flash.request.tokenizer import Tokenizer
 
     data = json.loads((vocab_dir / "tokenizer.json").read_text())
     data["model"]["ignore_merges"] = True

@@ -11,8 +11,8 @@ from safetensors.torch import load_file, save_file
 
 import clef_flash
 from clef_flash.errors import ModelSourceError, WeightsError
-from clef_flash.testing import write_random_release
-from clef_flash.testing.requests import random_requests
+from clef_flash.checkpoint.random_release import write_random_release
+from clef_flash.request.samples import random_requests
 
 
 @pytest.fixture()
@@ -105,9 +105,9 @@ def test_sources_and_their_errors(tmp_path, monkeypatch):
 
 def test_parameters_sit_where_and_in_the_dtype_expected(tiny_dir):
     model = clef_flash.load(tiny_dir, device="cpu", precision="bf16")
-    decoder = model.release.decoder
+    decoder = model.parts.decoder
     assert all(parameter.device.type == "cpu" for parameter in decoder.parameters())
     assert decoder.layers[0].linear_attn.A_log.dtype == torch.float32
     assert decoder.embed_tokens.weight.dtype == torch.bfloat16
-    assert all(parameter.dtype == torch.float32 for parameter in model.release.head.parameters())
+    assert all(parameter.dtype == torch.float32 for parameter in model.parts.head.parameters())
     assert "random weights" in repr(model)

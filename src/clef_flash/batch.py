@@ -26,20 +26,19 @@ schema's, the model): resuming with anything else is refused.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import os
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any
 
-from .cli import bar
+from .checkpoint.safetensors_io import sha256_of
+from .console import ProgressBar
 from .errors import ClefError, RequestInvalid
-from .protocol import parse_request, parse_request_json, shape_response
+from .request.protocol import parse_request, parse_request_json
 
 if TYPE_CHECKING:
     from .engine import Clef
@@ -51,14 +50,6 @@ DEFAULT_BATCH_SIZE = 32
 
 def progress_path(output: Path) -> Path:
     return output.with_name(output.name + ".progress.json")
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def read_schema(path: Path) -> dict[str, Any]:
@@ -137,26 +128,19 @@ def read_jsonl(path: str | os.PathLike[str]) -> list[tuple[int, Any]]:
 def score_rows(model: Clef, rows: list[Row]) -> list[dict[str, Any]]:
     """One output object per row, in order; the valid rows are scored in one `Clef.score` call."""
     outputs: list[dict[str, Any] | None] = [None] * len(rows)
-    valid = []  # (position, parsed request, encoded record)
+    valid = []  # (position, prepared request)
     for position, row in enumerate(rows):
         error = row.error
         if error is None:
             try:
-                request = model.parse(row.request)
-                valid.append((position, request, model.encode(request)))
+                valid.append((position, model.prepare(row.request)))
                 continue
             except RequestInvalid as invalid:
                 error = invalid
         outputs[position] = {"line": row.line, "id": row.id, "error": error.detail()}
-    results = model.score([record for _, _, record in valid])
-    for (position, request, record), per_question in zip(valid, results):
-        body = shape_response(
-            request,
-            [(result.option_ids, result.probabilities) for result in per_question],
-            input_tokens=record.token_count,
-            default_model=model.model_name,
-        )
-        outputs[position] = {"line": rows[position].line, "id": rows[position].id, **body}
+    results = model.score([prepared.record for _, prepared in valid])
+    for (position, prepared), per_question in zip(valid, results):
+        outputs[position] = {"line": rows[position].line, "id": rows[position].id, **model.respond(prepared, per_question)}
     return outputs  # type: ignore[return-value]
 
 
@@ -251,7 +235,7 @@ class BatchJob:
             "version": PROGRESS_VERSION,
             "input": str(input_path.resolve()),
             "input_bytes": input_path.stat().st_size,
-            "input_sha256": file_sha256(input_path),
+            "input_sha256": sha256_of(input_path),
             "schema_sha256": None,
             "model": model,
         }
@@ -260,7 +244,7 @@ class BatchJob:
             if not schema_path.is_file():
                 raise ClefError(f"no schema file at {schema_path}")
             schema = read_schema(schema_path)
-            made_from["schema_sha256"] = file_sha256(schema_path)
+            made_from["schema_sha256"] = sha256_of(schema_path)
 
         sidecar = progress_path(output)
         if overwrite or not output.exists() or (output.stat().st_size == 0 and not sidecar.exists()):
@@ -296,7 +280,7 @@ class BatchJob:
         return sum(1 for _ in input_lines(self.input_path))
 
     def run(
-        self, model: Clef, *, batch_size: int = DEFAULT_BATCH_SIZE, progress: ProgressReporter | None = None
+        self, model: Clef, *, batch_size: int = DEFAULT_BATCH_SIZE, progress: ProgressBar | None = None
     ) -> Summary:
         if batch_size < 1:
             raise ClefError(f"--batch-size must be at least 1; got {batch_size}")
@@ -323,48 +307,3 @@ class BatchJob:
         if progress is not None:
             progress.finish()
         return Summary(written=written, errors=errors, skipped=len(self.done), seconds=time.perf_counter() - start)
-
-
-def format_duration(seconds: float) -> str:
-    minutes, seconds = divmod(int(seconds + 0.5), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}:{minutes:02d}:{seconds:02d}"
-
-
-class ProgressReporter:
-    """Records done out of a total, records/s and the time left: a bar redrawn in place on a
-    terminal, else a line every `interval` seconds."""
-
-    def __init__(self, total: int, done: int = 0, *, stream: TextIO = sys.stderr, interval: float = 10.0):
-        self.total = total
-        self.done = done
-        self.stream = stream
-        self.tty = stream.isatty()
-        self.interval = 0.1 if self.tty else interval
-        self.start = self.last = time.perf_counter()
-        self.scored = 0  # by this run, for the rate
-
-    def advance(self, count: int) -> None:
-        self.done += count
-        self.scored += count
-        now = time.perf_counter()
-        if now - self.last >= self.interval:
-            self.last = now
-            self._show(now)
-
-    def finish(self) -> None:
-        self._show(time.perf_counter())
-        if self.tty:
-            self.stream.write("\n")
-
-    def _show(self, now: float) -> None:
-        elapsed = max(now - self.start, 1e-9)
-        rate = self.scored / elapsed
-        left = format_duration((self.total - self.done) / rate) if rate > 0 else "?"
-        fraction = self.done / self.total if self.total else 1.0
-        text = f"{self.done}/{self.total} records  {rate:.1f} records/s  {left} left"
-        if self.tty:
-            self.stream.write(f"\r{bar(fraction)} {text}\x1b[K")
-        else:
-            self.stream.write(f"batch: {text}\n")
-        self.stream.flush()

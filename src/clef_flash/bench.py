@@ -1,7 +1,7 @@
 """Speed of a model at a precision and a batch size: latency per record, throughput, peak memory.
 
 Requests come from a JSONL file or are generated at about a given token length
-(`testing.requests.request_of_tokens`). They are answered `batch_size` at a time through
+(`request.samples.request_of_tokens`). They are answered `batch_size` at a time through
 `Clef.answer_many` (encode, one decoder forward, the head, the answer bodies), after one untimed
 warm-up batch. A record's latency is its batch's wall time: every record of a batch is answered
 when the batch is. Peak RSS is the process's, loading included (`getrusage`).
@@ -26,7 +26,7 @@ PERCENTILES = (50, 90, 99)
 
 
 def generated_requests(model: Clef, *, records: int, tokens: int, seed: int = 0) -> list[dict[str, Any]]:
-    from .testing.requests import request_of_tokens
+    from .request.samples import request_of_tokens
 
     def count_tokens(request: dict[str, Any]) -> int:
         return model.encode(request).token_count

@@ -24,9 +24,9 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from .console import bar
 from .errors import ClefError, RequestInvalid
-
-BAR_WIDTH = 24
+from .model.precision import PRECISION_CHOICES
 
 
 # -- building a request from flags ---------------------------------------------------------------
@@ -96,11 +96,6 @@ def read_request(args: argparse.Namespace) -> Any:
 # -- output --------------------------------------------------------------------------------------
 
 
-def bar(probability: float) -> str:
-    filled = round(probability * BAR_WIDTH)
-    return "█" * filled + "·" * (BAR_WIDTH - filled)
-
-
 def format_answers(body: dict[str, Any], *, random_weights: bool) -> str:
     lines = []
     if random_weights:
@@ -133,7 +128,7 @@ def format_timings(timings: dict[str, float]) -> str:
 
 
 def command_tiny(args: argparse.Namespace) -> int:
-    from .testing import write_random_release
+    from .checkpoint.random_release import write_random_release
 
     out = write_random_release(args.dir, args.config, seed=args.seed)
     print(f"wrote a random {args.config!r} release (seed {args.seed}) to {out}")
@@ -141,17 +136,14 @@ def command_tiny(args: argparse.Namespace) -> int:
 
 
 def command_convert(args: argparse.Namespace) -> int:
-    from .bundle import convert, verify
+    from .checkpoint.bundle import convert, verify_checksums
 
     start = time.perf_counter()
     out = convert(args.source, args.destination, precision=args.precision, revision=args.revision, overwrite=args.overwrite)
-    verify(out)
+    verify_checksums(out)
     size = sum(path.stat().st_size for path in out.iterdir())
     print(f"wrote an {args.precision} bundle to {out} ({size / 1e9:.2f} GB, {time.perf_counter() - start:.1f} s, checksums verified)")
     return 0
-
-
-PRECISION_CHOICES = ["fp32", "bf16", "int8", "int8-weight-only", "int8-w8a8"]
 
 
 def load_model(args: argparse.Namespace, **options: Any):
@@ -186,7 +178,7 @@ def command_answer(args: argparse.Namespace) -> int:
 
 
 def command_serve(args: argparse.Namespace) -> int:
-    from .records import DEFAULT_MAX_LENGTH
+    from .request.records import DEFAULT_MAX_LENGTH
     from .server import serve
 
     model = load_model(args, max_length=args.max_length or DEFAULT_MAX_LENGTH)
@@ -208,10 +200,10 @@ def command_serve(args: argparse.Namespace) -> int:
 
 
 def command_render(args: argparse.Namespace) -> int:
-    from .records import DEFAULT_MAX_LENGTH, encode_record
-    from .protocol import parse_request
-    from .tokenizer import Tokenizer
-    from .weights import resolve_source
+    from .checkpoint.sources import resolve_source
+    from .request.protocol import parse_request
+    from .request.records import DEFAULT_MAX_LENGTH, encode_record
+    from .request.tokenizer import Tokenizer
 
     request = parse_request(read_request(args))
     tokenizer = Tokenizer.from_file(resolve_source(args.model, revision=args.revision) / "tokenizer.json")
@@ -242,8 +234,9 @@ def command_render(args: argparse.Namespace) -> int:
 
 
 def command_batch(args: argparse.Namespace) -> int:
-    from .batch import BatchJob, ProgressReporter
-    from .records import DEFAULT_MAX_LENGTH
+    from .batch import BatchJob
+    from .console import ProgressBar
+    from .request.records import DEFAULT_MAX_LENGTH
 
     made_with = {"source": args.model, "revision": args.revision, "precision": args.precision, "max_length": args.max_length}
     job = BatchJob.open(args.input, args.output, schema_path=args.schema, model=made_with, overwrite=args.overwrite)
@@ -253,7 +246,7 @@ def command_batch(args: argparse.Namespace) -> int:
     if not job.fresh and len(job.done) == total:
         return 0
     model = load_model(args, max_length=args.max_length or DEFAULT_MAX_LENGTH)
-    summary = job.run(model, batch_size=args.batch_size, progress=ProgressReporter(total, len(job.done)))
+    summary = job.run(model, batch_size=args.batch_size, progress=ProgressBar(total, "batch", done=len(job.done)))
     print(
         f"wrote {summary.written} lines ({summary.errors} errors) to {args.output} in {summary.seconds:.1f} s",
         file=sys.stderr,
@@ -300,11 +293,12 @@ def command_eval_labelled(args: argparse.Namespace) -> int:
 def command_bench(args: argparse.Namespace) -> int:
     from .batch import read_jsonl
     from .bench import bench, format_bench, generated_requests
-    from .testing import random_model
+    from .engine import load
 
     requests = [request for _, request in read_jsonl(args.requests)] if args.requests else None
     if args.random:
-        model = random_model(args.random, seed=args.seed, device=args.device, precision=args.precision)
+        source = f"random:{args.random}" + (f":{args.seed}" if args.seed else "")
+        model = load(source, device=args.device, precision=args.precision)
     else:
         model = load_model(args)
     if requests is None:
@@ -364,7 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
             "--precision",
             default=os.environ.get("CLEF_FLASH_PRECISION"),
             choices=PRECISION_CHOICES,
-            help="default bf16 for a release, int8 (weight-only) for a bundle",
+            help="default bf16 for a release, int8 (weight-only) for a bundle (model/precision.py)",
         )
         command.add_argument("--verify", action="store_true", help="check a bundle's sha256 checksums before loading")
         command.add_argument(

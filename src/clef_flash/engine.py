@@ -9,23 +9,20 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
-from .bundle import is_bundle, load_bundle
+from .checkpoint import Checkpoint, ModelParts, build_model, open_checkpoint
 from .errors import ClefError, RequestInvalid
-from .model.joint_head import build_head_batch, softmax_per_question, split_logits
-from .quant import DEFAULT_MODE
-from .protocol import DEFAULT_MODEL_NAME, SystemOneRequest, parse_request, shape_response
-from .records import DEFAULT_MAX_LENGTH, EncodedRecord, encode_record
-from .weights import Release, load_release, resolve_source
+from .model.head_batch import build_head_batch, softmax_per_question, split_logits
+from .model.precision import Precision, resolve_precision
+from .request.answers import shape_response
+from .request.protocol import DEFAULT_MODEL_NAME, SystemOneRequest, parse_request
+from .request.records import DEFAULT_MAX_LENGTH, EncodedRecord, encode_record
 
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
-# 8-bit weights (quant.py), by compute mode; "int8" is the default mode.
-INT8_PRECISIONS = {"int8": DEFAULT_MODE, "int8-weight-only": "weight-only", "int8-w8a8": "w8a8"}
 DEFAULT_BATCH_TOKENS = 8192  # padded tokens per decoder forward
 
 
@@ -65,24 +62,34 @@ def pick_device(device: str | torch.device) -> torch.device:
     return resolved
 
 
-def pick_dtype(precision: str | None, device: torch.device) -> tuple[torch.dtype, str | None]:
-    """(compute dtype, int8 mode or None). None: bf16 (the release's own dtype).
-
-    8-bit weights compute in fp32 on CPU (bf16 arithmetic has no gain there without native bf16 units,
-    and fp32 activations keep the agreement) and in bf16 on CUDA.
-    """
-    if precision is None:
-        return torch.bfloat16, None
-    if precision in INT8_PRECISIONS:
-        return (torch.bfloat16 if device.type == "cuda" else torch.float32), INT8_PRECISIONS[precision]
-    if precision not in PRECISIONS:
-        raise ClefError(f"unknown precision {precision!r}: use one of {', '.join([*PRECISIONS, *INT8_PRECISIONS])}")
-    return PRECISIONS[precision], None
+def fitting(lengths: Iterable[int], budget: int, max_records: int | None = None) -> int:
+    """How many records, taken in this order, one forward holds: at least one, then while the padded
+    tokens (records x longest) stay within `budget` and the count within `max_records`."""
+    count, longest = 0, 0
+    for length in lengths:
+        longest = max(longest, length)
+        if count and ((max_records is not None and count >= max_records) or longest * (count + 1) > budget):
+            break
+        count += 1
+    return count
 
 
-def precision_name(dtype: torch.dtype, mode: str | None) -> str:
-    """The name `load` was asked for, as `Clef.precision` reports it: fp32, bf16, int8-weight-only, ..."""
-    return {value: key for key, value in PRECISIONS.items()}[dtype] if mode is None else f"int8-{mode}"
+@dataclass(frozen=True)
+class Prepared:
+    """A request validated and encoded: what the engine scores and what its answer is shaped from."""
+
+    request: SystemOneRequest
+    record: EncodedRecord
+
+    def respond(self, results: Sequence[QuestionResult], *, default_model: str, decimals: int | None = 4) -> dict[str, Any]:
+        """The System One response body from this record's scored questions."""
+        return shape_response(
+            self.request,
+            [(result.option_ids, result.probabilities) for result in results],
+            input_tokens=self.record.token_count,
+            decimals=decimals,
+            default_model=default_model,
+        )
 
 
 class Clef:
@@ -90,31 +97,42 @@ class Clef:
 
     def __init__(
         self,
-        release: Release,
+        checkpoint: Checkpoint,
+        parts: ModelParts,
         *,
         device: torch.device,
-        precision: str,
-        source: str,
+        precision: Precision,
         max_length: int = DEFAULT_MAX_LENGTH,
         batch_tokens: int = DEFAULT_BATCH_TOKENS,
     ):
-        self.release = release
-        self.tokenizer = release.tokenizer
+        self.checkpoint = checkpoint
+        self.parts = parts
+        self.tokenizer = checkpoint.tokenizer
         self.device = device
-        self.precision = precision
-        self.source = source
+        self.precision_policy = precision
         self.max_length = max_length
         self.batch_tokens = batch_tokens
         self.model_name = DEFAULT_MODEL_NAME
         self.last_timings = Timings()
-        random_info = release.config.get("clef_flash_random")
-        self.is_random = random_info is not None
+
+    @property
+    def precision(self) -> str:
+        """The precision this model runs in: fp32, bf16, fp64, int8-weight-only or int8-w8a8."""
+        return self.precision_policy.name
+
+    @property
+    def source(self) -> str:
+        return self.checkpoint.source
+
+    @property
+    def is_random(self) -> bool:
+        return self.checkpoint.is_random
 
     def __repr__(self) -> str:
         random = " (random weights)" if self.is_random else ""
         return f"Clef({self.source!r}, precision={self.precision}, device={self.device}){random}"
 
-    # -- encoding --------------------------------------------------------------------------
+    # -- requests --------------------------------------------------------------------------
 
     def parse(self, request: Any) -> SystemOneRequest:
         return request if isinstance(request, SystemOneRequest) else parse_request(request)
@@ -125,21 +143,25 @@ class Clef:
             self.tokenizer, self.parse(request), max_length=self.max_length, truncate_state=truncate_state
         )
 
+    def prepare(self, request: Any) -> Prepared:
+        """Parse and encode a request (raises RequestInvalid / RecordTooLong, before any inference)."""
+        parsed = self.parse(request)
+        return Prepared(parsed, self.encode(parsed))
+
+    def respond(self, prepared: Prepared, results: Sequence[QuestionResult], *, decimals: int | None = 4) -> dict[str, Any]:
+        """The System One body of a prepared request from its scored questions."""
+        return prepared.respond(results, default_model=self.model_name, decimals=decimals)
+
     # -- inference -------------------------------------------------------------------------
 
     def batches(self, records: Sequence[EncodedRecord]) -> list[list[int]]:
         """Indices of records grouped into forwards: sorted by length, each within the token budget."""
         order = sorted(range(len(records)), key=lambda index: records[index].token_count)
         groups: list[list[int]] = []
-        current: list[int] = []
-        for index in order:
-            longest = records[index].token_count  # sorted: the newest is the longest
-            if current and longest * (len(current) + 1) > self.batch_tokens:
-                groups.append(current)
-                current = []
-            current.append(index)
-        if current:
-            groups.append(current)
+        while order:
+            count = fitting((records[index].token_count for index in order), self.batch_tokens)
+            groups.append(order[:count])
+            order = order[count:]
         return groups
 
     @torch.inference_mode()
@@ -164,11 +186,11 @@ class Clef:
             input_ids[row, : lengths[row]] = torch.tensor(record.input_ids, dtype=torch.long)
         input_ids = input_ids.to(self.device)
         length_tensor = torch.tensor(lengths, dtype=torch.long, device=self.device)
-        hidden = self.release.decoder(input_ids, length_tensor)  # [B, L, D]
+        hidden = self.parts.decoder(input_ids, length_tensor)  # [B, L, D]
         self._sync()
         decoded = time.perf_counter()
         head_batch = build_head_batch(records, self.device)
-        logits = self.release.head(hidden, length_tensor, head_batch, self.release.lm_head)  # [No]
+        logits = self.parts.head(hidden, length_tensor, head_batch, self.parts.lm_head)  # [No]
         probabilities = softmax_per_question(logits, head_batch)
         per_record_logits = split_logits(logits.double().cpu(), head_batch)
         per_record_probabilities = split_logits(probabilities.double().cpu(), head_batch)
@@ -200,12 +222,12 @@ class Clef:
 
     def logits(self, request: Any) -> dict[str, dict[str, float]]:
         """Unrounded logits per question and option (options in the model's order)."""
-        (results,) = self._run([request])[2]
+        (results,) = self._run([request])[1]
         return {result.question_id: dict(zip(result.option_ids, result.logits)) for result in results}
 
     def probabilities(self, request: Any) -> dict[str, dict[str, float]]:
         """Unrounded float32 softmax probabilities per question and option."""
-        (results,) = self._run([request])[2]
+        (results,) = self._run([request])[1]
         return {result.question_id: dict(zip(result.option_ids, result.probabilities)) for result in results}
 
     def answer(self, request: Any, *, decimals: int | None = 4) -> dict[str, Any]:
@@ -214,41 +236,28 @@ class Clef:
 
     def answer_many(self, requests: Sequence[Any], *, decimals: int | None = 4) -> list[dict[str, Any]]:
         """System One response bodies for many requests, batched into as few forwards as fit."""
-        parsed, records, results = self._run(requests)
-        return [
-            shape_response(
-                request,
-                [(result.option_ids, result.probabilities) for result in per_question],
-                input_tokens=record.token_count,
-                decimals=decimals,
-                default_model=self.model_name,
-            )
-            for request, per_question, record in zip(parsed, results, records)
-        ]
+        prepared, results = self._run(requests)
+        return [self.respond(item, per_question, decimals=decimals) for item, per_question in zip(prepared, results)]
 
-    def _run(
-        self, requests: Sequence[Any]
-    ) -> tuple[list[SystemOneRequest], list[EncodedRecord], list[list[QuestionResult]]]:
+    def _run(self, requests: Sequence[Any]) -> tuple[list[Prepared], list[list[QuestionResult]]]:
         """Validate and encode every request (errors name the request's position), then score them all."""
         timings = Timings()
         start = time.perf_counter()
-        parsed, records = [], []
+        prepared = []
         for position, request in enumerate(requests):
             try:
-                request = self.parse(request)
-                records.append(encode_record(self.tokenizer, request, max_length=self.max_length))
+                prepared.append(self.prepare(request))
             except RequestInvalid as error:
                 if len(requests) == 1:
                     raise
                 raise RequestInvalid(
                     [{**item, "loc": [item["loc"][0], position, *item["loc"][1:]]} for item in error.errors]
                 ) from error
-            parsed.append(request)
         timings.tokenize_ms = (time.perf_counter() - start) * 1000
-        results = self.score(records, timings) if records else []
+        results = self.score([item.record for item in prepared], timings) if prepared else []
         timings.total_ms = (time.perf_counter() - start) * 1000
         self.last_timings = timings
-        return parsed, records, results
+        return prepared, results
 
 
 def load(
@@ -262,35 +271,22 @@ def load(
     verify: bool = False,
     resident_layers: int | None = None,
 ) -> Clef:
-    """Load a model: a release or bundle directory, a Hugging Face repo id, or "tiny" (random weights).
+    """Load a model: a release or bundle directory, a Hugging Face repo id, "tiny" (a generated random
+    release) or "random:NAME[:SEED]" (random weights drawn in memory; names in RANDOM_CONFIGS).
 
-    A bundle (`clef-flash convert`) is int8 and memory-mapped; `verify` checks its files' sha256 first.
-    A release loads in fp32 or bf16, or as int8 (quantized while loading).
+    `precision` (model/precision.py): fp32, bf16, fp64, int8 (= int8-weight-only) or int8-w8a8; None: the
+    default for the checkpoint. A bundle (`clef-flash convert`) is int8 and memory-mapped; `verify` checks
+    its files' sha256 first. A release loads in any precision (int8: quantized while loading).
     `resident_layers` (low-memory mode): at most that many decoder layers hold weights at once, each
     filled from the memory-mapped files just before it runs (slower: every forward reads every layer).
     """
-    root = Path(resolve_source(source, revision=revision))
+    checkpoint = open_checkpoint(source, revision=revision, verify=verify)
     resolved_device = pick_device(device)
-    if is_bundle(root):
-        if precision is not None and precision not in INT8_PRECISIONS:
-            raise ClefError(
-                f"{root} is an 8-bit bundle: use precision int8 (or {', '.join(list(INT8_PRECISIONS)[1:])}); "
-                f"for {precision}, load the release it was converted from"
-            )
-        dtype, mode = pick_dtype(precision or "int8", resolved_device)
-        release = load_bundle(
-            root, device=resolved_device, dtype=dtype, mode=mode, check=verify, resident_layers=resident_layers
-        )
-    else:
-        dtype, mode = pick_dtype(precision, resolved_device)
-        release = load_release(
-            root, device=resolved_device, dtype=dtype, quantization=mode, resident_layers=resident_layers
-        )
+    try:
+        policy = resolve_precision(precision, resolved_device, stored_int8=checkpoint.stored_int8)
+    except ValueError as exc:
+        raise ClefError(f"{checkpoint.where} {exc}" if checkpoint.stored_int8 else str(exc)) from None
+    parts = build_model(checkpoint, policy, resolved_device, resident_layers=resident_layers)
     return Clef(
-        release,
-        device=resolved_device,
-        precision=precision_name(dtype, mode),
-        source=os.fspath(source),
-        max_length=max_length,
-        batch_tokens=batch_tokens,
+        checkpoint, parts, device=resolved_device, precision=policy, max_length=max_length, batch_tokens=batch_tokens
     )

@@ -30,8 +30,8 @@ import numpy as np
 
 from .batch import read_jsonl
 from .errors import ClefError, RequestInvalid
-from .protocol import parse_request
-from .records import question_options
+from .request.protocol import parse_request
+from .request.records import question_options
 
 if TYPE_CHECKING:
     from .engine import Clef, QuestionResult

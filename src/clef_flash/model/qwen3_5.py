@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import TextConfig
-from .ops.gated_delta_rule import causal_conv1d_silu, compute_dtype, gated_delta_rule, l2norm
+from .ops.gated_delta_rule import causal_conv1d_silu, gated_delta_rule, l2norm
+from .precision import compute_dtype
 
 __all__ = ["AttentionState", "DecoderState", "DeltaNetState", "Qwen35Decoder"]
 

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime
-import hashlib
 import hmac
 import importlib.resources
 import logging
@@ -29,7 +27,6 @@ import uuid
 import zlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from fastapi import FastAPI, Request
@@ -39,9 +36,9 @@ from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .. import __version__
+from ..engine import Prepared
 from ..errors import InferenceError, RequestInvalid
-from ..protocol import SystemOneRequest, parse_request_json, shape_response
-from ..records import EncodedRecord
+from ..request.protocol import parse_request_json
 from .batcher import Batcher, Job, QueueFull
 from .metrics import ServerMetrics
 
@@ -157,39 +154,6 @@ async def read_body(request: Request, limit: int) -> bytes:
     return decode_body(b"".join(chunks), request.headers.get("content-encoding"), limit)
 
 
-# -- fingerprints ------------------------------------------------------------------------------
-
-
-def weights_fingerprint(root: Path | None, sample_bytes: int = 1 << 16) -> str | None:
-    """A cheap SHA-256 over a release or bundle directory, not a checksum of every weight.
-
-    Small files (configs, index, manifest; < 1 MiB) are hashed whole; large ones (weights,
-    tokenizer) by name, size, and their first and last `sample_bytes` — which cover the
-    safetensors header and differ between any two random draws. Milliseconds even for 19 GB.
-    """
-    if root is None or not root.is_dir():
-        return None
-    digest = hashlib.sha256()
-    for path in sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith(".")):
-        size = path.stat().st_size
-        digest.update(f"{path.relative_to(root).as_posix()}\0{size}\0".encode())
-        with path.open("rb") as handle:
-            if size < 1 << 20:
-                digest.update(handle.read())
-            else:
-                digest.update(handle.read(sample_bytes))
-                handle.seek(size - sample_bytes)
-                digest.update(handle.read(sample_bytes))
-    return digest.hexdigest()
-
-
-def _release_date(root: Path | None) -> str:
-    """The release's date as far as this server can tell: when its config.json was written (UTC)."""
-    config = root / "config.json" if root is not None else None
-    stamp = config.stat().st_mtime if config is not None and config.is_file() else time.time()
-    return datetime.datetime.fromtimestamp(stamp, datetime.timezone.utc).date().isoformat()
-
-
 # -- request ids and metrics (plain ASGI, so that disconnects reach the routes untouched) ----------
 
 
@@ -272,13 +236,12 @@ def create_app(model: Clef, **settings: Any) -> FastAPI:
         batch_wait_s=config.batch_wait_ms / 1000,
         max_queue=config.max_queue,
     )
-    root = getattr(model.release, "root", None)
-    root = Path(root) if root is not None else None
+    checkpoint = model.checkpoint
     served_names = tuple(dict.fromkeys((model.model_name, *MODEL_ALIASES)))
     identity = {
         "model": model.model_name,
         "source": model.source,
-        "fingerprint": {"config": model.release.fingerprint, "weights": weights_fingerprint(root)},
+        "fingerprint": {"config": checkpoint.fingerprint, "weights": checkpoint.weights_fingerprint},
         "precision": model.precision,
         "device": str(model.device),
         "random_weights": model.is_random,
@@ -293,7 +256,7 @@ def create_app(model: Clef, **settings: Any) -> FastAPI:
     )
     models_body = {
         "models": [
-            {"name": name, "description": description, "release_date": _release_date(root)} for name in served_names
+            {"name": name, "description": description, "release_date": checkpoint.release_date} for name in served_names
         ]
     }
     demo_page = importlib.resources.files(__package__).joinpath("demo.html").read_text(encoding="utf-8")
@@ -302,7 +265,7 @@ def create_app(model: Clef, **settings: Any) -> FastAPI:
     async def warm_up() -> None:
         try:
             if config.warm_up:
-                await batcher.submit(model.encode(WARM_UP_REQUEST)).future
+                await batcher.submit(model.prepare(WARM_UP_REQUEST).record).future
             state["status"] = "ready"
         except Exception as error:
             state["status"], state["warm_up_error"] = "failed", f"{type(error).__name__}: {error}"
@@ -343,7 +306,7 @@ def create_app(model: Clef, **settings: Any) -> FastAPI:
                 headers={"WWW-Authenticate": "Bearer"},
             )
 
-    def prepare(raw: bytes) -> tuple[SystemOneRequest, EncodedRecord]:
+    def prepare(raw: bytes) -> Prepared:
         """Parse, check the model name and encode; raises RequestInvalid (422)."""
         parsed = parse_request_json(raw)
         if parsed.model and parsed.model not in served_names:
@@ -360,7 +323,7 @@ def create_app(model: Clef, **settings: Any) -> FastAPI:
                     }
                 ]
             )
-        return parsed, model.encode(parsed)  # RecordTooLong: token count and limit, before inference
+        return model.prepare(parsed)  # RecordTooLong: token count and limit, before inference
 
     async def wait_for(job: Job, request: Request) -> list[Any]:
         """The job's result; if the client goes first, the job leaves the queue."""
@@ -378,9 +341,9 @@ def create_app(model: Clef, **settings: Any) -> FastAPI:
     async def answer(request: Request) -> tuple[dict[str, Any], dict[str, str]]:
         check_api_key(request)
         raw = await read_body(request, config.max_body_bytes)
-        parsed, record = await run_in_threadpool(prepare, raw)  # tokenizing a 1 MiB state takes a while
+        prepared = await run_in_threadpool(prepare, raw)  # tokenizing a 1 MiB state takes a while
         try:
-            job = batcher.submit(record)
+            job = batcher.submit(prepared.record)
         except QueueFull:
             raise ApiError(
                 429,
@@ -389,12 +352,7 @@ def create_app(model: Clef, **settings: Any) -> FastAPI:
                 headers={"Retry-After": str(config.retry_after_s)},
             ) from None
         results = await wait_for(job, request)
-        body = shape_response(
-            parsed,
-            [(result.option_ids, result.probabilities) for result in results],
-            input_tokens=record.token_count,
-            default_model=model.model_name,
-        )
+        body = model.respond(prepared, results)
         timing = f"queue;dur={job.queue_ms():.1f}, model;dur={job.model_ms():.1f}"
         return body, {"Server-Timing": timing}
 

@@ -19,9 +19,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..engine import QuestionResult, Timings
+from ..engine import QuestionResult, Timings, fitting
 from ..errors import InferenceError
-from ..records import EncodedRecord
+from ..request.records import EncodedRecord
 from .metrics import ServerMetrics
 
 if TYPE_CHECKING:
@@ -146,13 +146,7 @@ class Batcher:
 
     def _fits(self) -> int:
         """How many queued jobs, oldest first, one forward can take: padded tokens within budget."""
-        count, longest = 0, 0
-        for job in self._queue:
-            longest = max(longest, job.record.token_count)
-            if count and (count >= self.max_batch or longest * (count + 1) > self.batch_tokens):
-                break
-            count += 1
-        return count
+        return fitting((job.record.token_count for job in self._queue), self.batch_tokens, self.max_batch)
 
     def _next_batch(self) -> list[Job] | None:
         with self._changed:

@@ -28,6 +28,8 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
+from ..precision import compute_dtype
+
 __all__ = [
     "causal_conv1d_silu",
     "chunk_gated_delta_rule",
@@ -35,14 +37,6 @@ __all__ = [
     "l2norm",
     "naive_recurrent_gated_delta_rule",
 ]
-
-
-def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
-    """At least fp32: float64 stays float64, everything else (bf16, fp16, fp32) computes in fp32."""
-    out = torch.float32
-    for dtype in dtypes:
-        out = torch.promote_types(out, dtype)
-    return out
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

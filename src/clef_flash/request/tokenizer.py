@@ -25,7 +25,7 @@ from itertools import chain
 from pathlib import Path
 from typing import Sequence
 
-from .errors import ModelSourceError
+from ..errors import ModelSourceError
 
 # The special tokens the runtime relies on, with their Qwen3.5 ids (SPEC §2).
 SPECIAL_TOKEN_IDS = {

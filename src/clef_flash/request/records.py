@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Mapping
 
-from .errors import RecordTooLong, RequestInvalid
+from ..errors import RecordTooLong, RequestInvalid
 from .tokenizer import Tokenizer
 
 SYSTEM_PROMPT = (

@@ -1,8 +1,8 @@
 """8-bit decoder weights: one storage scheme, two ways to compute with it.
 
 Scheme: symmetric int8, one fp32 scale per output channel, `w ~ q * scale[:, None]`, `|q| <= 127`.
-What is quantized is one explicit predicate, `is_quantized`: the decoder's 2-D projection weights
-(`*_proj.weight`, `in_proj_*.weight`), except `KEPT_HIGH_PRECISION`. Everything else stays as stored: norms, the
+What is quantized is one explicit predicate, `model.precision.is_quantized`: the decoder's 2-D projection
+weights (`*_proj.weight`, `in_proj_*.weight`), except `KEPT_HIGH_PRECISION`. Everything else stays as stored: norms, the
 depthwise conv, `A_log`, `dt_bias`; the input embeddings are 16-bit and gathered by row; the head and
 the output-embedding rows it reads are never quantized.
 
@@ -24,39 +24,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..model.precision import FP32, INT8, INT8_MODES, SCALE_DTYPE, SCALE_SUFFIX, W8A8, WEIGHT_ONLY, is_quantized
+
 SCHEME = "int8 symmetric, one fp32 scale per output channel"
-SCALE_SUFFIX = "_scale"  # `x.weight` (int8) is stored beside `x.weight_scale` (fp32 [out])
-MODES = ("weight-only", "w8a8")
-DEFAULT_MODE = "weight-only"  # see README "Choices worth knowing": measured agreement and speed
-# The DeltaNet gate projections are tiny (hidden -> value heads) and feed a sigmoid and a softplus
-# exponent: measured both ways (benchmarks/agreement.py), they stay 16-bit.
-KEPT_HIGH_PRECISION = ("in_proj_a.weight", "in_proj_b.weight")
 TILE_ELEMENTS = 1 << 22  # weight elements dequantized at once in weight-only mode (16 MB of fp32)
-
-
-def is_quantized(name: str, shape: tuple[int, ...], keep: tuple[str, ...] | None = None) -> bool:
-    """The predicate: 2-D decoder projection weights are int8, except `keep` (default KEPT_HIGH_PRECISION)."""
-    keep = KEPT_HIGH_PRECISION if keep is None else keep
-    module, _, leaf = name.rpartition(".")
-    projection = module.rpartition(".")[2]  # q_proj, down_proj, in_proj_qkv, in_proj_z, out_proj, ...
-    is_projection = projection.endswith("_proj") or projection.startswith("in_proj_")
-    return leaf == "weight" and is_projection and len(shape) == 2 and not name.endswith(keep)
 
 
 def quantize_per_channel(weight: torch.Tensor, rows_at_once: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [O, I] (any float dtype) -> (q int8 [O, I], scale fp32 [O]); computed in fp32 a block of rows at a time."""
     out_features = weight.shape[0]
-    q = torch.empty(weight.shape, dtype=torch.int8)
-    scale = torch.empty(out_features, dtype=torch.float32)
+    q = torch.empty(weight.shape, dtype=INT8)
+    scale = torch.empty(out_features, dtype=SCALE_DTYPE)
     for start in range(0, out_features, rows_at_once):
         block = weight[start : start + rows_at_once].float()  # [r, I]
-        block_scale = block.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127.0  # [r]
-        q[start : start + rows_at_once] = torch.round(block / block_scale[:, None]).clamp_(-127, 127).to(torch.int8)
+        block_scale = block.abs().amax(dim=1).clamp_min(torch.finfo(FP32).tiny) / 127.0  # [r]
+        q[start : start + rows_at_once] = torch.round(block / block_scale[:, None]).clamp_(-127, 127).to(INT8)
         scale[start : start + rows_at_once] = block_scale
     return q, scale
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = FP32) -> torch.Tensor:
     """q int8 [O, I], scale [O] -> [O, I] in `dtype` (the product taken in fp32, then cast)."""
     return (q.float() * scale.float()[:, None]).to(dtype)
 
@@ -75,8 +62,8 @@ def weight_only_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) ->
 def quantize_per_token(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, I] -> (int8 [M, I], fp32 scale [M, 1]): absmax per row / 127."""
     x32 = x2d.float()
-    scale = x32.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / 127.0  # [M, 1]
-    return torch.round(x32 / scale).clamp_(-127, 127).to(torch.int8), scale
+    scale = x32.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(FP32).tiny) / 127.0  # [M, 1]
+    return torch.round(x32 / scale).clamp_(-127, 127).to(INT8), scale
 
 
 def w8a8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -92,20 +79,22 @@ def w8a8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.
     return out.to(x.dtype).view(*x.shape[:-1], q.shape[0])
 
 
+KERNELS = {WEIGHT_ONLY: weight_only_linear, W8A8: w8a8_linear}
+
+
 class Int8Linear(nn.Module):
     """A bias-free linear with int8 weights [O, I] and fp32 scales [O]: a drop-in for `nn.Linear`."""
 
-    def __init__(self, in_features: int, out_features: int, mode: str = DEFAULT_MODE):
+    def __init__(self, in_features: int, out_features: int, mode: str):
         super().__init__()
-        if mode not in MODES:
-            raise ValueError(f"unknown int8 mode {mode!r}: use one of {', '.join(MODES)}")
+        if mode not in INT8_MODES:
+            raise ValueError(f"unknown int8 mode {mode!r}: use one of {', '.join(INT8_MODES)}")
         self.in_features, self.out_features, self.mode = in_features, out_features, mode
-        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8))
-        self.register_buffer("weight" + SCALE_SUFFIX, torch.empty(out_features, dtype=torch.float32))
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=INT8))
+        self.register_buffer("weight" + SCALE_SUFFIX, torch.empty(out_features, dtype=SCALE_DTYPE))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kernel = w8a8_linear if self.mode == "w8a8" else weight_only_linear
-        return kernel(x, self.weight, self.weight_scale)
+        return KERNELS[self.mode](x, self.weight, self.weight_scale)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}"
@@ -149,9 +138,9 @@ class QuantizingSource:
 
     def dtype(self, name: str) -> torch.dtype:
         if name in self._quantized:
-            return torch.int8
+            return INT8
         if name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in self._quantized:
-            return torch.float32
+            return SCALE_DTYPE
         return self.source.dtype(name)
 
     def _pair(self, weight_name: str) -> tuple[torch.Tensor, torch.Tensor]:

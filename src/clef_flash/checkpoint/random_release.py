@@ -1,4 +1,4 @@
-"""Random Clef releases in the exact layout of `Cloudflare/clef-flash` (SPEC §2), for tests and benchmarks.
+"""Random Clef releases in the exact layout of `Cloudflare/clef-flash` (SPEC §2): the offline `tiny`, tests, benchmarks.
 
 No weights can be downloaded, so tests build releases with random weights that look like the real one
 file for file, key for key and shape for shape:
@@ -31,7 +31,6 @@ import json
 import math
 import os
 import shutil
-import struct
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -41,6 +40,8 @@ import torch
 
 from ..model.config import QWEN3_5_9B, TextConfig
 from ..model.joint_head import HeadConfig
+from ..model.precision import BF16, FP16, FP32, FP64
+from .safetensors_io import PlannedTensor, write_safetensors
 from .vocab import BUILDER_VERSION as VOCAB_BUILDER_VERSION
 from .vocab import VOCAB_ROWS, write_tokenizer_files
 from .vocab import cache_dir as default_cache_dir
@@ -151,11 +152,11 @@ def resolve_config(config: str | RandomConfig) -> RandomConfig:
         ) from None
 
 
-_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+_DTYPE_NAMES = {BF16: "bfloat16", FP16: "float16", FP32: "float32"}
 
 
 def release_config(
-    config: RandomConfig, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16, mtp: bool = True
+    config: RandomConfig, *, seed: int = 0, dtype: torch.dtype = BF16, mtp: bool = True
 ) -> dict:
     """`config.json`: the fields `Qwen3_5ForConditionalGeneration.save_pretrained` writes, plus
     `clef_flash_random` (so tools can label outputs as random) and `mtp_num_hidden_layers`.
@@ -465,7 +466,7 @@ def draw_chunks(spec: TensorSpec, seed: int, dtype: torch.dtype) -> Iterator[tor
             values = torch.rand(count, generator=generator).mul_(init.b - init.a).add_(init.a).log_()
         elif init.kind == "dt_bias":
             low, high = math.log(init.a), math.log(init.b)
-            dt = torch.rand(count, generator=generator, dtype=torch.float64).mul_(high - low).add_(low).exp_()
+            dt = torch.rand(count, generator=generator, dtype=FP64).mul_(high - low).add_(low).exp_()
             values = (dt + torch.log(-torch.expm1(-dt))).float()  # softplus(dt_bias) == dt
         elif init.kind == "constant":
             values = torch.full((count,), init.a)
@@ -474,14 +475,14 @@ def draw_chunks(spec: TensorSpec, seed: int, dtype: torch.dtype) -> Iterator[tor
         yield values.to(dtype)
 
 
-def draw_tensor(spec: TensorSpec, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def draw_tensor(spec: TensorSpec, seed: int = 0, dtype: torch.dtype = FP32) -> torch.Tensor:
     """One tensor exactly as the release holds it (for tests and small configs)."""
     return torch.cat(list(draw_chunks(spec, seed, dtype))).reshape(spec.shape)
 
 
 class RandomTensors:
     """The tensors of a random release, drawn on demand instead of read from files: the same
-    `keys / shape / get` as `weights.SafetensorsFiles`, and the same values as the files that
+    `keys / shape / dtype / get` as `safetensors_io.SafetensorsFiles`, and the same values as the files that
     `write_random_release` writes for the seed and dtype (each tensor has its own generator)."""
 
     def __init__(self, specs: Sequence[TensorSpec], *, seed: int, dtype: torch.dtype):
@@ -490,12 +491,12 @@ class RandomTensors:
         self.stored_dtype = dtype
 
     @classmethod
-    def of_model(cls, config: str | RandomConfig, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> RandomTensors:
+    def of_model(cls, config: str | RandomConfig, *, seed: int = 0, dtype: torch.dtype = BF16) -> RandomTensors:
         """`model*.safetensors` (bf16, as `write_random_release` writes it by default)."""
         return cls(tensor_table(config), seed=seed, dtype=dtype)
 
     @classmethod
-    def of_head(cls, config: str | RandomConfig, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> RandomTensors:
+    def of_head(cls, config: str | RandomConfig, *, seed: int = 0, dtype: torch.dtype = FP32) -> RandomTensors:
         """`joint_head.safetensors` (fp32)."""
         return cls(head_tensor_table(config), seed=seed, dtype=dtype)
 
@@ -512,61 +513,6 @@ class RandomTensors:
         return draw_tensor(self._specs[name], self.seed, self.stored_dtype)
 
 
-def random_model(
-    config: str | RandomConfig = "tiny",
-    *,
-    seed: int = 0,
-    device: str | torch.device = "cpu",
-    precision: str | None = None,
-    batch_tokens: int | None = None,
-):
-    """A `Clef` with the weights of `write_random_release(config, seed=seed)`, built in memory
-    without writing a file (the full `9b` included), e.g. to measure speed anywhere."""
-    from ..engine import DEFAULT_BATCH_TOKENS, Clef, pick_device, pick_dtype, precision_name
-    from ..errors import ClefError
-    from ..quant import QuantizingSource
-    from ..tokenizer import Tokenizer
-    from ..weights import build_release
-    from .vocab import cached_tokenizer_json
-
-    try:
-        config = resolve_config(config)
-    except ValueError as exc:
-        raise ClefError(str(exc)) from None
-    resolved_device = pick_device(device)
-    dtype, quantization = pick_dtype(precision, resolved_device)
-    tensors = RandomTensors.of_model(config, seed=seed)
-    release = build_release(
-        release_config(config, seed=seed),
-        config.head_config(),
-        Tokenizer.from_file(cached_tokenizer_json()),
-        QuantizingSource(tensors) if quantization else tensors,
-        RandomTensors.of_head(config, seed=seed),
-        device=resolved_device,
-        dtype=dtype,
-        quantization=quantization,
-    )
-    return Clef(
-        release,
-        device=resolved_device,
-        precision=precision_name(dtype, quantization),
-        source=f"random:{config.name}",
-        batch_tokens=batch_tokens or DEFAULT_BATCH_TOKENS,
-    )
-
-
-# ---------------------------------------------------------------------------------------------
-# safetensors, streamed
-
-# safetensors orders a file's tensors by dtype (this order, descending), then by name.
-_SAFETENSORS_DTYPES = {
-    torch.float64: ("F64", 4),
-    torch.float32: ("F32", 3),
-    torch.bfloat16: ("BF16", 2),
-    torch.float16: ("F16", 1),
-}
-
-
 def _write_safetensors(
     path: Path,
     specs: Sequence[TensorSpec],
@@ -574,28 +520,18 @@ def _write_safetensors(
     seed: int,
     dtype: torch.dtype,
     metadata: dict[str, str] | None,
-    on_bytes: Callable[[int], None] = lambda count: None,
+    on_bytes: Callable[[int], None],
 ) -> None:
-    """Byte for byte what `safetensors.torch.save_file` writes, without holding the tensors:
-    u64 header length, compact JSON header padded with spaces to 8 bytes, then the raw data."""
-    dtype_name, _ = _SAFETENSORS_DTYPES[dtype]
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    ordered = sorted(specs, key=lambda spec: spec.name)  # one dtype per file, so: by name
-    header: dict[str, object] = {} if metadata is None else {"__metadata__": metadata}
-    offset = 0
-    for spec in ordered:
-        size = spec.numel * itemsize
-        header[spec.name] = {"dtype": dtype_name, "shape": list(spec.shape), "data_offsets": [offset, offset + size]}
-        offset += size
-    encoded = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-    encoded += b" " * (-len(encoded) % 8)
-    with open(path, "wb") as handle:
-        handle.write(struct.pack("<Q", len(encoded)))
-        handle.write(encoded)
-        for spec in ordered:
-            for chunk in draw_chunks(spec, seed, dtype):
-                handle.write(chunk.view(torch.uint8).numpy().data)
-                on_bytes(chunk.numel() * itemsize)
+    """Byte for byte what `safetensors.torch.save_file` writes, each tensor drawn in chunks as it is written."""
+    by_name = {spec.name: spec for spec in specs}
+    write_safetensors(
+        path,
+        [PlannedTensor(spec.name, dtype, spec.shape) for spec in specs],
+        lambda planned: draw_chunks(by_name[planned.name], seed, dtype),
+        metadata=metadata,
+        on_bytes=on_bytes,
+        durable=False,
+    )
 
 
 def plan_shards(specs: Sequence[TensorSpec], itemsize: int, max_shard_bytes: int | None) -> dict[str, list[TensorSpec]]:
@@ -631,7 +567,7 @@ def plan_shards(specs: Sequence[TensorSpec], itemsize: int, max_shard_bytes: int
 RANDOM_RELEASE_NOTE = """\
 # Random clef-flash release
 
-Generated by `clef_flash.testing.release` (builder v{version}) from the random config
+Generated by `clef_flash.checkpoint.random_release` (builder v{version}) from the random config
 `{name}` with seed {seed}. The layout, key names and shapes are those of `Cloudflare/clef-flash`;
 **every weight is random**, so no decision, probability or benchmark quality number from this
 directory means anything. Use it for tests, parity checks and speed measurements only.
@@ -645,8 +581,8 @@ def write_random_release(
     *,
     seed: int = 0,
     max_shard_bytes: int | None = None,
-    dtype: torch.dtype = torch.bfloat16,
-    head_dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype = BF16,
+    head_dtype: torch.dtype = FP32,
     mtp: bool = True,
     progress: Progress | None = None,
 ) -> Path:

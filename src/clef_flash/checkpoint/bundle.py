@@ -1,0 +1,262 @@
+"""The 8-bit bundle: a converted release that loads in seconds from memory-mapped files.
+
+A bundle directory:
+
+    manifest.json          format name and version, precision and scheme, the source's config and its hash,
+                           every file with its size and sha256, every tensor with its file, dtype and shape
+    decoder.safetensors    the decoder: int8 projections + fp32 scales, everything else as the release stores it
+    embeddings.safetensors input embeddings, 16-bit, gathered by row from the memory map (never loaded whole)
+    lm_head.safetensors    output embeddings, 16-bit; the head gathers only the option tokens' rows
+    joint_head.safetensors the joint head, fp32
+    config.json, joint_head_config.json, tokenizer.json   copied from the release
+
+The tensor files are standard safetensors (any safetensors reader opens them), written by a streaming
+writer: the header first (every shape is known before any data is read), then each tensor as it is
+converted, so conversion holds one tensor at a time. Tensors are ordered by element size (4, 2, then
+1 byte) so every tensor starts aligned and the loader can view the mapped bytes without copying.
+
+Conversion writes into a temporary directory beside the destination and renames it when every file
+and, last, the manifest are complete: an interrupted conversion never leaves a bundle that looks valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from ..console import ProgressBar
+from ..errors import BundleError, ModelSourceError, WeightsError
+from ..model.precision import KEPT_HIGH_PRECISION, PRECISIONS, storage_dtype_of
+from .loading import DECODER_PREFIX, IGNORED_PREFIXES, LM_HEAD, build_model
+from .quant import SCHEME, QuantizingSource
+from .safetensors_io import (
+    MappedSafetensors,
+    MergedSources,
+    PlannedTensor,
+    ShapesOnly,
+    StreamedSafetensors,
+    sha256_of,
+    write_safetensors,
+)
+from .sources import HEAD_CONFIG, HEAD_WEIGHTS, Checkpoint, config_fingerprint, read_json, release_files, resolve_source
+
+FORMAT = "clef-flash-bundle"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+COPIED_FILES = ("config.json", HEAD_CONFIG, "tokenizer.json")
+REDO = ": convert the release again"
+
+
+def is_bundle(root: Path) -> bool:
+    return (root / MANIFEST).is_file()
+
+
+# -- conversion --------------------------------------------------------------------------------------
+
+
+def _part_of(name: str) -> str:
+    """Which bundle file (and storage rule) a release tensor belongs to."""
+    if name == LM_HEAD:
+        return "lm_head"
+    if name == DECODER_PREFIX + "embed_tokens.weight":
+        return "embeddings"
+    return "decoder"
+
+
+def convert(
+    source: str | os.PathLike[str],
+    destination: str | os.PathLike[str],
+    *,
+    precision: str = "int8",
+    revision: str | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> Path:
+    """Convert a release into an 8-bit bundle at `destination`, reading one tensor at a time."""
+    if precision != "int8":
+        raise BundleError(f"unknown bundle precision {precision!r}: only int8 bundles exist")
+    root = resolve_source(source, revision=revision)
+    if is_bundle(root):
+        raise BundleError(f"{root} is already a bundle: convert the release it came from")
+    destination = Path(destination)
+    if destination.exists() and not overwrite:
+        raise BundleError(f"{destination} exists: remove it or pass --overwrite")
+    for name in COPIED_FILES + (HEAD_WEIGHTS,):
+        if not (root / name).is_file():
+            raise ModelSourceError(f"{root} is not a Clef release: {name} is missing")
+    checkpoint = Checkpoint(
+        source=str(source),
+        kind="release",
+        root=root,
+        config=read_json(root / "config.json"),
+        head_config=read_json(root / HEAD_CONFIG),
+        tokenizer_file=root / "tokenizer.json",
+        tensors=QuantizingSource(StreamedSafetensors(release_files(root))),
+        head_tensors=StreamedSafetensors([root / HEAD_WEIGHTS]),
+        stored_int8=True,
+    )
+    # Check every name and shape against the model before writing anything (meta tensors: no data read).
+    _check(checkpoint)
+
+    plans: dict[str, list[PlannedTensor]] = {}
+    for name in sorted(name for name in checkpoint.tensors.keys() if not name.startswith(IGNORED_PREFIXES)):
+        part, shape = _part_of(name), checkpoint.tensors.shape(name)
+        dtype = storage_dtype_of(name, shape, checkpoint.tensors.dtype(name), part=part)
+        plans.setdefault(f"{part}.safetensors", []).append(PlannedTensor(name, dtype, shape))
+    plans[HEAD_WEIGHTS] = [
+        PlannedTensor(name, storage_dtype_of(name, shape, checkpoint.head_tensors.dtype(name), part="head"), shape)
+        for name in sorted(checkpoint.head_tensors.keys())
+        for shape in [checkpoint.head_tensors.shape(name)]
+    ]
+    total_bytes = sum(planned.nbytes for plan in plans.values() for planned in plan)
+
+    staging = destination.parent / f".{destination.name}.converting-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        files: dict[str, dict[str, object]] = {}
+        with ProgressBar(total_bytes, "converting", unit="B", enabled=progress) as meter:
+            for file, plan in plans.items():
+                source_of = checkpoint.head_tensors if file == HEAD_WEIGHTS else checkpoint.tensors
+                digest = write_safetensors(
+                    staging / file,
+                    plan,
+                    lambda planned, source_of=source_of: source_of.get(planned.name).to(planned.dtype),
+                    metadata={"format": FORMAT},
+                    on_bytes=meter.advance,
+                )
+                files[file] = {"bytes": (staging / file).stat().st_size, "sha256": digest}
+        for name in COPIED_FILES:
+            shutil.copyfile(root / name, staging / name)
+            files[name] = {"bytes": (staging / name).stat().st_size, "sha256": sha256_of(staging / name)}
+        manifest = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "precision": precision,
+            "scheme": {
+                "weights": SCHEME,
+                "quantized": "decoder projections (*_proj.weight, in_proj_*.weight; 2-D)",
+                "kept_high_precision": list(KEPT_HIGH_PRECISION) + ["norms", "conv1d", "A_log", "dt_bias"],
+                "dtypes": {part: str(dtype).removeprefix("torch.") for part, dtype in _part_dtypes(plans).items()},
+            },
+            "source": {
+                "path": str(source),
+                "revision": revision,
+                "config_sha256": config_fingerprint(checkpoint.config),
+                "head_config_sha256": config_fingerprint(checkpoint.head_config),
+            },
+            "config": checkpoint.config,
+            "files": files,
+            "tensors": {
+                planned.name: {
+                    "file": file,
+                    "dtype": str(planned.dtype).removeprefix("torch."),
+                    "shape": list(planned.shape),
+                }
+                for file, plan in plans.items()
+                for planned in plan
+            },
+        }
+        _write_json_durably(staging / MANIFEST, manifest)  # last: its presence marks a complete bundle
+        if destination.exists():
+            shutil.rmtree(destination)
+        staging.rename(destination)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return destination
+
+
+def _part_dtypes(plans: dict[str, list[PlannedTensor]]) -> dict[str, torch.dtype]:
+    """The dtype of each bundle file's largest tensor: what the manifest reports as the file's precision."""
+    return {file.removesuffix(".safetensors"): max(plan, key=lambda t: t.nbytes).dtype for file, plan in plans.items()}
+
+
+def _check(checkpoint: Checkpoint) -> None:
+    """Build the model on the meta device from the checkpoint's names and shapes: strict, and no data read."""
+    shapes = dataclasses.replace(
+        checkpoint, tensors=ShapesOnly(checkpoint.tensors), head_tensors=ShapesOnly(checkpoint.head_tensors)
+    )
+    build_model(shapes, PRECISIONS["int8-weight-only"], torch.device("meta"))
+
+
+def _write_json_durably(path: Path, value: object) -> None:
+    with open(path, "w") as file:
+        json.dump(value, file, indent=1, ensure_ascii=False)
+        file.flush()
+        os.fsync(file.fileno())
+
+
+# -- loading -----------------------------------------------------------------------------------------
+
+
+def read_manifest(root: Path) -> dict:
+    """The manifest, checked: format, version, and every file present with its recorded size."""
+    path = root / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise BundleError(f"{path} cannot be read ({exc}){REDO}") from exc
+    if manifest.get("format") != FORMAT:
+        raise BundleError(f"{root} is not a clef-flash bundle (format {manifest.get('format')!r})")
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise BundleError(
+            f"{root} is a bundle of format version {version}; this clef-flash reads version {FORMAT_VERSION}: "
+            "convert the release again with this version (clef-flash convert SRC DST)"
+        )
+    for name, entry in manifest.get("files", {}).items():
+        file = root / name
+        if not file.is_file():
+            raise BundleError(f"{root}: {name} is missing from the bundle{REDO}")
+        if file.stat().st_size != entry["bytes"]:
+            raise BundleError(
+                f"{file} is {file.stat().st_size} bytes, the manifest says {entry['bytes']}: "
+                "the bundle is truncated or altered; convert the release again"
+            )
+    return manifest
+
+
+def verify_checksums(root: Path) -> None:
+    """Check every file's sha256 against the manifest (reads the whole bundle once)."""
+    manifest = read_manifest(root)
+    for name, entry in manifest["files"].items():
+        if sha256_of(root / name) != entry["sha256"]:
+            raise BundleError(f"{root / name} does not match its sha256 in the manifest{REDO}")
+
+
+def open_bundle(root: Path, *, source: str | None = None, verify: bool = False) -> Checkpoint:
+    """A bundle as a Checkpoint: every tensor a view of a memory map (on CPU), nothing read until used."""
+    manifest = read_manifest(root)
+    if verify:
+        verify_checksums(root)
+    try:
+        tensor_files = [
+            MappedSafetensors(root / name, REDO)
+            for name in manifest["files"]
+            if name.endswith(".safetensors") and name != HEAD_WEIGHTS
+        ]
+        head_tensors = MappedSafetensors(root / HEAD_WEIGHTS, REDO)
+    except WeightsError as error:
+        raise BundleError(str(error)) from error
+    tensors = MergedSources(tensor_files)
+    if set(manifest["tensors"]) != tensors.keys() | head_tensors.keys():
+        raise BundleError(f"{root}: the files hold other tensors than the manifest lists{REDO}")
+    return Checkpoint(
+        source=source or str(root),
+        kind="bundle",
+        root=root,
+        config=read_json(root / "config.json"),
+        head_config=read_json(root / HEAD_CONFIG),
+        tokenizer_file=root / "tokenizer.json",
+        tensors=tensors,
+        head_tensors=head_tensors,
+        stored_int8=True,
+        manifest=manifest,
+        decoder_files="decoder.safetensors",
+    )

@@ -1,0 +1,227 @@
+"""Strict loading: build the modules on the meta device, check every name and shape, fill them by name.
+
+`build_model(checkpoint, precision, device)` is the one way a model is made, whatever the source
+(release, hub download, bundle, random tensors). A tensor the model needs that is missing, one we do
+not know, or one of the wrong shape is an error that lists them, sorted. Only the vision tower
+(`model.visual.*`) and the multi-token-prediction layers (`mtp.*`) are skipped, by name. Each tensor is
+read from its memory map and converted on its own, so loading never holds two copies of the weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Iterator
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from ..errors import ModelSourceError
+from ..errors import WeightsError
+from ..model.precision import Precision
+from .quant import QuantizingSource, replace_linears
+from .safetensors_io import TensorSource
+
+if TYPE_CHECKING:
+    from .sources import Checkpoint
+
+DECODER_PREFIX = "model.language_model."
+LM_HEAD = "lm_head.weight"
+EMBEDDING = "embed_tokens.weight"  # relative to the decoder
+IGNORED_PREFIXES = ("model.visual.", "mtp.")
+
+
+@dataclass(frozen=True)
+class KeyReport:
+    missing: list[str]
+    unexpected: list[str]
+    misshapen: list[str]
+
+    def raise_if_any(self, where: str) -> None:
+        problems = []
+        for label, names in (("missing", self.missing), ("unexpected", self.unexpected), ("wrong shape", self.misshapen)):
+            if names:
+                shown = ", ".join(names[:20]) + (f", ... ({len(names)} in all)" if len(names) > 20 else "")
+                problems.append(f"{label}: {shown}")
+        if problems:
+            raise WeightsError(f"{where} does not match the model: " + "; ".join(problems))
+
+
+def check_keys(expected: dict[str, tuple[int, ...]], available: dict[str, tuple[int, ...]]) -> KeyReport:
+    """Compare the tensors a module needs with those a file holds (ignored prefixes skipped)."""
+    relevant = {name for name in available if not name.startswith(IGNORED_PREFIXES)}
+    return KeyReport(
+        missing=sorted(set(expected) - relevant),
+        unexpected=sorted(relevant - set(expected)),
+        misshapen=sorted(
+            f"{name} {list(available[name])} (expected {list(shape)})"
+            for name, shape in expected.items()
+            if name in available and tuple(available[name]) != tuple(shape)
+        ),
+    )
+
+
+def module_shapes(module: nn.Module, prefix: str = "") -> dict[str, tuple[int, ...]]:
+    return {prefix + name: tuple(tensor.shape) for name, tensor in module.state_dict().items()}
+
+
+class _SkipMetaInit(TorchFunctionMode):
+    """In-place ops on meta tensors do nothing: modules built only to be filled need no random init.
+
+    On the meta device torch would run `nn.init` through its Python reference ops, whose first use
+    imports torch._dynamo (about 2 s of a bundle's load). A torch-function mode is thread-local:
+    nothing global is patched.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        target = args[0] if args else kwargs.get("tensor")
+        if name.endswith("_") and not name.startswith("_") and getattr(target, "is_meta", False):
+            return target  # nn.init's uniform_, normal_, zeros_, ...: nothing to initialize on meta
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def meta_modules() -> Iterator[None]:
+    """Build modules on the meta device without random initialization."""
+    with torch.device("meta"), _SkipMetaInit():
+        yield
+
+
+def fill_module(
+    module: nn.Module,
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    *,
+    dtype_of: Callable[[str, torch.dtype], torch.dtype],
+    device: torch.device,
+    strict: bool = True,
+) -> None:
+    """Assign tensors (name relative to `module`) into a meta-device module, each converted on its own."""
+    state = {name: tensor.to(device=device, dtype=dtype_of(name, tensor.dtype)) for name, tensor in tensors}
+    module.load_state_dict(state, strict=strict, assign=True)
+
+
+class LayerWindow:
+    """At most `size` decoder layers hold weights at once; the others wait on the meta device.
+
+    A layer is filled from the tensor source when it is about to run, evicting the least recently run.
+    """
+
+    def __init__(self, size: int, tensors: TensorSource, *, dtype_of, device: torch.device):
+        if size < 1:
+            raise ValueError(f"resident layers must be at least 1, not {size}")
+        self.size, self.tensors, self.dtype_of, self.device = size, tensors, dtype_of, device
+        self.resident: OrderedDict[str, nn.Module] = OrderedDict()
+        self.most_resident = 0  # the largest number of layers filled at once (for tests and reports)
+
+    def enter(self, prefix: str, layer: nn.Module) -> None:
+        if prefix in self.resident:
+            self.resident.move_to_end(prefix)
+            return
+        while len(self.resident) >= self.size:
+            self.resident.popitem(last=False)[1].to_empty(device="meta")  # frees the weights
+        relative = prefix.removeprefix(DECODER_PREFIX)
+        fill_module(
+            layer,
+            ((name, self.tensors.get(prefix + name)) for name in layer.state_dict()),
+            dtype_of=lambda name, stored: self.dtype_of(relative + name, stored),
+            device=self.device,
+        )
+        self.resident[prefix] = layer
+        self.most_resident = max(self.most_resident, len(self.resident))
+
+
+class StreamedLayer(nn.Module):
+    """A decoder layer that asks its window for its weights before it runs."""
+
+    def __init__(self, layer: nn.Module, prefix: str, window: LayerWindow):
+        super().__init__()
+        self.layer, self.prefix = layer, prefix
+        self.window = window  # shared by all layers (not a module: no state of its own)
+
+    def forward(self, *args, **kwargs):
+        self.window.enter(self.prefix, self.layer)
+        return self.layer(*args, **kwargs)
+
+
+@dataclass
+class ModelParts:
+    """The modules a checkpoint fills, ready on a device."""
+
+    decoder: nn.Module  # Qwen35Decoder
+    head: nn.Module  # JointHead (fp32)
+    lm_head: torch.Tensor  # [V, D] output embeddings, as stored (rows gathered by the head)
+
+
+def build_model(
+    checkpoint: Checkpoint,
+    precision: Precision,
+    device: torch.device,
+    *,
+    resident_layers: int | None = None,
+) -> ModelParts:
+    """Build the modules on the meta device, check every name and shape, and fill them from the checkpoint.
+
+    With an int8 precision the decoder's projections are `Int8Linear`s, filled from a source that holds
+    int8 weights and their scales (a bundle), or from the checkpoint quantized tensor by tensor while
+    loading (`QuantizingSource`). `resident_layers` (low-memory mode): at most that many decoder layers
+    hold their weights at once, each filled from the (memory-mapped) source just before it runs.
+    """
+    from ..model.config import TextConfig
+    from ..model.joint_head import HeadConfig, JointHead
+    from ..model.qwen3_5 import Qwen35Decoder
+
+    where = checkpoint.where
+    try:
+        text_config = TextConfig.from_release_config(checkpoint.config)
+        head_config = HeadConfig.from_dict(checkpoint.head_config)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ModelSourceError(f"{where}: unsupported or malformed config: {exc}") from exc
+    if head_config.hidden_size != text_config.hidden_size:
+        raise ModelSourceError(
+            f"{where}: the head reads hidden size {head_config.hidden_size}, the decoder has {text_config.hidden_size}"
+        )
+    tensors = checkpoint.tensors
+    if precision.quantized and not checkpoint.stored_int8:
+        tensors = QuantizingSource(tensors)
+
+    with meta_modules():
+        decoder = Qwen35Decoder(text_config)
+        head = JointHead(head_config)
+    if precision.quantized:
+        replace_linears(decoder, precision.int8_mode)
+        decoder.activation_dtype = precision.compute_dtype
+    expected = module_shapes(decoder, DECODER_PREFIX)
+    expected[LM_HEAD] = (text_config.vocab_size, text_config.hidden_size)
+    available = {name: tensors.shape(name) for name in tensors.keys()}
+    check_keys(expected, available).raise_if_any(f"{where} ({checkpoint.decoder_files})")
+
+    names = [name[len(DECODER_PREFIX) :] for name in expected if name != LM_HEAD]
+    if resident_layers:
+        window = LayerWindow(resident_layers, tensors, dtype_of=precision.dtype_of, device=device)
+        for index, layer in enumerate(decoder.layers):
+            decoder.layers[index] = StreamedLayer(layer, f"{DECODER_PREFIX}layers.{index}.", window)
+        names = [name for name in names if not name.startswith("layers.")]
+    fill_module(
+        decoder,
+        ((name, tensors.get(DECODER_PREFIX + name)) for name in names),
+        dtype_of=precision.dtype_of,
+        device=device,
+        strict=not resident_layers,
+    )
+    stored_lm_head = tensors.get(LM_HEAD)
+    lm_head = stored_lm_head.to(device=device, dtype=precision.lm_head_dtype(stored_lm_head.dtype))
+
+    head_tensors = checkpoint.head_tensors
+    head_available = {name: head_tensors.shape(name) for name in head_tensors.keys()}
+    check_keys(module_shapes(head), head_available).raise_if_any(f"{where} (joint_head.safetensors)")
+    fill_module(
+        head,
+        ((name, head_tensors.get(name)) for name in module_shapes(head)),
+        dtype_of=precision.head_dtype_of,
+        device=device,
+    )
+    return ModelParts(decoder=decoder.eval(), head=head.eval(), lm_head=lm_head)

@@ -1,0 +1,150 @@
+"""The package's shape holds: no import circles, `testing/` used only by tests, one precision policy.
+
+Imports are read from the source (every `import` and `from ... import`, at module level or inside a
+function, except under `if TYPE_CHECKING:`), so a lazy import that closes a circle is caught too.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+import clef_flash
+from clef_flash.model.precision import ALIASES, PRECISION_CHOICES, PRECISIONS, parse_precision
+
+PACKAGE_ROOT = Path(clef_flash.__file__).parent
+PACKAGE = "clef_flash"
+
+
+def module_name(path: Path) -> str:
+    parts = [PACKAGE, *path.relative_to(PACKAGE_ROOT).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(path): path for path in sorted(PACKAGE_ROOT.rglob("*.py"))}
+
+
+def _type_checking_lines(tree: ast.AST) -> set[int]:
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.body:
+                lines.update(range(child.lineno, (child.end_lineno or child.lineno) + 1))
+    return lines
+
+
+def imported_modules(name: str, path: Path, known: set[str]) -> set[str]:
+    """The package's modules that `name` imports (a `from package import submodule` counts as both)."""
+    tree = ast.parse(path.read_text())
+    skipped = _type_checking_lines(tree)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if getattr(node, "lineno", None) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                origin = ".".join(base + ([node.module] if node.module else []))
+            else:
+                origin = node.module or ""
+            targets = [origin] + [f"{origin}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        found.update(target for target in targets if target in known and target != name)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    found = modules()
+    known = set(found)
+    return {name: imported_modules(name, path, known) for name, path in found.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle, as a path that starts and ends at the same module, or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for neighbour in sorted(graph[node]):
+            # A package's __init__ importing its own submodules is how packages work, not a circle.
+            if node.startswith(neighbour + ".") or neighbour.startswith(node + "."):
+                continue
+            if state.get(neighbour) == 1:
+                return path[path.index(neighbour) :] + [neighbour]
+            if neighbour not in state and (cycle := visit(neighbour)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_the_walker_finds_a_circle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+    graph = import_graph()
+    assert "clef_flash.checkpoint.loading" in graph["clef_flash.checkpoint.bundle"]  # relative imports resolved
+    assert "clef_flash.request.records" in graph["clef_flash.engine"]
+
+
+def test_no_import_circles():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import circle: " + " -> ".join(cycle or [])
+
+
+def test_nothing_outside_testing_imports_it():
+    offenders = sorted(
+        f"{name} imports {target}"
+        for name, targets in import_graph().items()
+        if not name.startswith(f"{PACKAGE}.testing")
+        for target in targets
+        if target.startswith(f"{PACKAGE}.testing")
+    )
+    assert not offenders, offenders
+
+
+# dtype and int8-mode decisions: only the precision policy names them (safetensors' dtype table and the
+# random releases' generator draws aside, which describe files, not how the model computes).
+DTYPE_PATTERN = re.compile(r"torch\.(bfloat16|float16|float32|float64|half|bfloat|int8)\b|\"weight-only\"|\"w8a8\"")
+ALLOWED_DTYPE_FILES = {"model/precision.py", "checkpoint/safetensors_io.py"}
+
+
+def test_dtype_decisions_live_in_the_precision_policy():
+    offenders = []
+    for path in sorted(PACKAGE_ROOT.rglob("*.py")):
+        relative = path.relative_to(PACKAGE_ROOT).as_posix()
+        if relative in ALLOWED_DTYPE_FILES:
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), start=1):
+            if DTYPE_PATTERN.search(line.split("#", 1)[0]):
+                offenders.append(f"{relative}:{number}: {line.strip()}")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_cli_precision_choices_are_what_the_policy_parses():
+    from clef_flash.cli import build_parser
+
+    parser = build_parser()
+    answer = parser._subparsers._group_actions[0].choices["answer"]  # type: ignore[union-attr]
+    (precision,) = [action for action in answer._actions if action.dest == "precision"]
+    assert tuple(precision.choices) == PRECISION_CHOICES
+    assert set(PRECISION_CHOICES) == {*PRECISIONS, *ALIASES}
+    for name in precision.choices:
+        assert parse_precision(name).name in PRECISIONS
+    with pytest.raises(ValueError, match="unknown precision 'fp16'"):
+        parse_precision("fp16")
