@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from clef_flash.cli import main, parse_question_spec
+from clef_flash.cli import build_parser, main, parse_question_spec
 
 FLAGS = [
     "--state", "My card was charged twice, please refund.",
@@ -34,6 +34,17 @@ def test_question_specs_cover_all_three_types():
         "u",
         {"type": "score", "instructions": "How: urgent?", "criteria": ["Low", "High"]},
     )
+
+
+
+def test_env_defaults_are_read_when_the_parser_is_built(monkeypatch):
+    for name, value in {"MODEL": "/models/clef", "DEVICE": "cpu", "PRECISION": "fp32", "API_KEY": "key"}.items():
+        monkeypatch.setenv(f"CLEF_FLASH_{name}", value)
+    args = build_parser().parse_args(["serve"])
+    assert (args.model, args.device, args.precision, args.api_key) == ("/models/clef", "cpu", "fp32", "key")
+    first = build_parser().parse_args(["answer"])
+    first.question.append("urgent=noul:Is it urgent?")
+    assert build_parser().parse_args(["answer"]).question == []  # the table's default=[] is not shared
 
 
 def test_answer_json_from_flags(capsys, tiny_dir):

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 import clef_flash
 from clef_flash.server import create_app
-from clef_flash.server.app import _zstd
+from clef_flash.server.body import _zstd
 from clef_flash.request.samples import random_request
 from clef_flash.testing.server import running_server
 
@@ -215,6 +215,7 @@ def test_models_and_health(client, model):
     assert health["fingerprint"]["config"] == model.checkpoint.fingerprint
     assert re.fullmatch(r"[0-9a-f]{64}", health["fingerprint"]["weights"])
     assert (health["precision"], health["device"], health["random_weights"]) == ("fp32", "cpu", True)
+    assert isinstance(health["precision_reason"], str) and health["precision_reason"]
 
 
 def test_weights_fingerprint_tells_releases_apart(tmp_path):

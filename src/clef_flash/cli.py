@@ -17,10 +17,13 @@ CLEF_FLASH_PRECISION (--precision), CLEF_FLASH_API_KEY (serve --api-key).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -315,6 +318,247 @@ def positive_int(text: str) -> int:
     return value
 
 
+# -- the parser, built from the tables below -----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Arg:
+    """One `add_argument` call. `env` names a variable whose value, read when the parser is built
+    (not at import, so a test or a shell can change it), replaces the default."""
+
+    flags: tuple[str, ...]
+    options: dict[str, Any]
+    env: str | None = None
+
+    def add_to(self, parser: argparse.ArgumentParser) -> None:
+        options = copy.deepcopy(self.options)  # each parser its own `default=[]`
+        if self.env is not None:
+            options["default"] = os.environ.get(self.env, options.get("default"))
+        parser.add_argument(*self.flags, **options)
+
+
+def arg(*flags: str, env: str | None = None, **options: Any) -> Arg:
+    return Arg(flags, options, env)
+
+
+@dataclass(frozen=True)
+class Command:
+    """A subcommand: its arguments in `--help` order, and either `run` or nested `subcommands`."""
+
+    name: str
+    help: str
+    run: Callable[[argparse.Namespace], int] | None = None
+    arguments: tuple[Arg, ...] = ()
+    description: str | None = None
+    subcommands: tuple[Command, ...] = ()
+    subcommands_dest: str = "command"  # the Namespace attribute naming the chosen subcommand
+
+
+REQUEST_ARGUMENTS = (
+    arg("request", nargs="?", help="a System One request body (JSON file, or - for stdin)"),
+    arg("--state", help="the state text"),
+    arg("--state-file", help="read the state text from a file"),
+    arg(
+        "--question",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="ID=TYPE:INSTRUCTIONS[:CRITERIA], repeatable: 'urgent=noul:Is it urgent?', "
+        "'team=choice:Which team?:billing=Charges,engineering=Bugs', 'urgency=score:How urgent?:Low,Normal,High'",
+    ),
+)
+
+MODEL_ARGUMENTS = (
+    arg(
+        "--model",
+        env="CLEF_FLASH_MODEL",
+        default="tiny",
+        help="release directory, Hugging Face repo id (e.g. Cloudflare/clef-flash) or 'tiny' (random weights); "
+        "default $CLEF_FLASH_MODEL or tiny",
+    ),
+    arg("--revision", help="hub revision (branch, tag or commit) for a repo id"),
+)
+
+DEVICE_ARGUMENTS = (
+    arg("--device", env="CLEF_FLASH_DEVICE", default="auto", help="auto, cpu or cuda"),
+    arg(
+        "--precision",
+        env="CLEF_FLASH_PRECISION",
+        choices=PRECISION_CHOICES,
+        help="default bf16 for a release, int8 (weight-only) for a bundle (model/precision.py)",
+    ),
+    arg("--verify", action="store_true", help="check a bundle's sha256 checksums before loading"),
+    arg(
+        "--resident-layers",
+        type=positive_int,
+        metavar="N",
+        help="low-memory mode: at most N decoder layers hold weights at once (e.g. 4 for an fp32 9B in 24 GB)",
+    ),
+)
+
+EVALUATIONS = (
+    Command(
+        "agreement",
+        "how far --model's answers are from --against-model's (the reference) on a JSONL file of requests",
+        command_eval_agreement,
+        (
+            arg("requests", help="JSONL, one System One request per line"),
+            *MODEL_ARGUMENTS,
+            *DEVICE_ARGUMENTS,
+            arg("--against-model", required=True, help="the reference model (a source as for --model)"),
+            arg("--against-precision", help="the reference's precision (default bf16)"),
+            arg("--against-revision", help="hub revision of --against-model"),
+            arg(
+                "--near-tie",
+                type=float,
+                default=0.05,
+                help="a differing answer is a near-tie when the reference's top-2 margin is below this (default 0.05)",
+            ),
+            arg("--out", help="write report.json and report.md into this directory"),
+        ),
+    ),
+    Command(
+        "labelled",
+        "accuracy, macro-F1, log-loss, Brier, ECE and a reliability diagram on requests with expected answers",
+        command_eval_labelled,
+        (
+            arg("file", help="JSONL of labelled requests"),
+            *MODEL_ARGUMENTS,
+            *DEVICE_ARGUMENTS,
+            arg("--out", help="write report.json, report.md and reliability.png into this directory"),
+        ),
+        description='Each line is a System One request plus "expected": {question_id: label}: a choice label, '
+        "true/false for noul, a level index or level text for score. Questions without a label are not scored.",
+    ),
+)
+
+COMMANDS = (
+    Command(
+        "tiny",
+        "write a random release with the real vocabulary (for smoke tests)",
+        command_tiny,
+        (
+            arg("dir", help="output directory"),
+            arg("--config", default="tiny", help="named random config: tiny, 9b-heads, 9b-part, 9b (default tiny)"),
+            arg("--seed", type=int, default=0),
+        ),
+    ),
+    Command(
+        "answer",
+        "answer a System One request",
+        command_answer,
+        (
+            *REQUEST_ARGUMENTS,
+            *MODEL_ARGUMENTS,
+            *DEVICE_ARGUMENTS,
+            arg("--json", action="store_true", help="print the System One response body"),
+            arg("--table", action="store_true", help="print the readable table even when piped"),
+            arg("--timings", action="store_true", help="add tokenize / decoder / head / total milliseconds"),
+        ),
+    ),
+    Command(
+        "render",
+        "show the rendered prompt with question and option spans marked",
+        command_render,
+        (*REQUEST_ARGUMENTS, *MODEL_ARGUMENTS, arg("--max-length", type=int, help="token limit (default 65536)")),
+    ),
+    Command(
+        "serve",
+        "serve POST /v1/systemone (+ Workers AI route, /v1/models, /health, /metrics, a demo page at /)",
+        command_serve,
+        (
+            *MODEL_ARGUMENTS,
+            arg("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"),
+            arg("--port", type=int, default=8000, help="default 8000"),
+            *DEVICE_ARGUMENTS,
+            arg(
+                "--api-key",
+                env="CLEF_FLASH_API_KEY",
+                help="require 'Authorization: Bearer KEY' on the API routes (default $CLEF_FLASH_API_KEY; unset: no key)",
+            ),
+            arg("--max-body-bytes", type=int, default=1 << 20, help="request body limit, also after decompression (default 1 MiB)"),
+            arg("--max-length", type=int, help="token limit per record; longer ones get 422 (default 65536)"),
+            arg("--batch-tokens", type=int, help="padded tokens per batch (default: the model's, 8192)"),
+            arg("--batch-wait-ms", type=float, default=5.0, help="how long a request waits for others to batch with (default 5)"),
+            arg("--max-batch", type=int, default=64, help="records per batch (default 64; 1 turns batching off)"),
+            arg("--max-queue", type=int, default=256, help="queued records before 429 + Retry-After (default 256)"),
+            arg("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="default info"),
+        ),
+    ),
+    Command(
+        "batch",
+        "answer a JSONL file of requests (or of states, with --schema) into JSONL; resumable",
+        command_batch,
+        (
+            arg("input", help="JSONL input"),
+            arg("output", help="JSONL output (appended to when resuming; OUTPUT.progress.json beside it)"),
+            arg("--schema", help='a JSON file {"questions": {...}, "model"?: ...} asked about every input state'),
+            *MODEL_ARGUMENTS,
+            *DEVICE_ARGUMENTS,
+            arg("--batch-size", type=positive_int, default=32, help="input lines scored together and written at once (default 32)"),
+            arg("--max-length", type=positive_int, help="token limit per record; longer ones get an error line (default 65536)"),
+            arg("--overwrite", action="store_true", help="start over, replacing OUTPUT, instead of resuming"),
+        ),
+        description="Each input line is a System One request, or with --schema a state: a JSON object "
+        '{"state": ..., "id": ...} or any other JSON value used as the state itself. Each output line is '
+        '{"line", "id", ...the response body} or {"line", "id", "error": {"detail": [...]}}, in input order; '
+        "id is the input's own (exactly) or its line number. Rerun the same command after a crash to resume.",
+    ),
+    Command(
+        "eval",
+        "agreement between two models or precisions; accuracy on labelled requests",
+        subcommands=EVALUATIONS,
+        subcommands_dest="evaluation",
+    ),
+    Command(
+        "bench",
+        "latency percentiles, records/s, tokens/s and peak RSS of a model",
+        command_bench,
+        (
+            *MODEL_ARGUMENTS,
+            arg("--random", metavar="NAME", help="instead of --model: a random model built in memory (tiny, 9b-heads, 9b-part, 9b)"),
+            arg("--seed", type=int, default=0, help="seed of --random's weights and of generated requests"),
+            *DEVICE_ARGUMENTS,
+            arg("--batch-size", type=positive_int, default=1, help="records per forward (default 1)"),
+            arg("--requests", help="JSONL of requests to run (default: generated ones)"),
+            arg("--records", type=positive_int, default=8, help="generated requests (default 8)"),
+            arg(
+                "--tokens",
+                type=positive_int,
+                default=512,
+                help="tokens per generated request, about; the three questions alone take ~300 (default 512)",
+            ),
+            arg("--json", action="store_true", help="print the figures as one JSON object"),
+        ),
+    ),
+    Command(
+        "convert",
+        "convert a release into an 8-bit bundle (memory-mapped, loads in seconds)",
+        command_convert,
+        (
+            arg("source", help="release directory, Hugging Face repo id, or tiny"),
+            arg("destination", help="the bundle directory to write"),
+            arg("--precision", default="int8", choices=["int8"], help="weights' precision (int8)"),
+            arg("--revision", help="hub revision for a repo id"),
+            arg("--overwrite", action="store_true", help="replace an existing destination"),
+        ),
+    ),
+)
+
+
+def add_commands(parser: argparse.ArgumentParser, commands: Sequence[Command], dest: str) -> None:
+    """A subparser per command, its arguments in table order; nested commands the same way."""
+    choices = parser.add_subparsers(dest=dest, required=True, metavar=dest.upper())
+    for command in commands:
+        command_parser = choices.add_parser(command.name, help=command.help, description=command.description)
+        for argument in command.arguments:
+            argument.add_to(command_parser)
+        if command.subcommands:
+            add_commands(command_parser, command.subcommands, command.subcommands_dest)
+        else:
+            command_parser.set_defaults(run=command.run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="clef-flash",
@@ -322,157 +566,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=__doc__.split("\n\n", 1)[1],
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    tiny = sub.add_parser("tiny", help="write a random release with the real vocabulary (for smoke tests)")
-    tiny.add_argument("dir", help="output directory")
-    tiny.add_argument("--config", default="tiny", help="named random config: tiny, 9b-heads, 9b-part, 9b (default tiny)")
-    tiny.add_argument("--seed", type=int, default=0)
-    tiny.set_defaults(run=command_tiny)
-
-    def add_request_arguments(command: argparse.ArgumentParser) -> None:
-        command.add_argument("request", nargs="?", help="a System One request body (JSON file, or - for stdin)")
-        command.add_argument("--state", help="the state text")
-        command.add_argument("--state-file", help="read the state text from a file")
-        command.add_argument(
-            "--question",
-            action="append",
-            default=[],
-            metavar="SPEC",
-            help="ID=TYPE:INSTRUCTIONS[:CRITERIA], repeatable: 'urgent=noul:Is it urgent?', "
-            "'team=choice:Which team?:billing=Charges,engineering=Bugs', 'urgency=score:How urgent?:Low,Normal,High'",
-        )
-
-    def add_model_arguments(command: argparse.ArgumentParser) -> None:
-        command.add_argument(
-            "--model",
-            default=os.environ.get("CLEF_FLASH_MODEL", "tiny"),
-            help="release directory, Hugging Face repo id (e.g. Cloudflare/clef-flash) or 'tiny' (random weights); "
-            "default $CLEF_FLASH_MODEL or tiny",
-        )
-        command.add_argument("--revision", help="hub revision (branch, tag or commit) for a repo id")
-
-    def add_device_arguments(command: argparse.ArgumentParser) -> None:
-        command.add_argument("--device", default=os.environ.get("CLEF_FLASH_DEVICE", "auto"), help="auto, cpu or cuda")
-        command.add_argument(
-            "--precision",
-            default=os.environ.get("CLEF_FLASH_PRECISION"),
-            choices=PRECISION_CHOICES,
-            help="default bf16 for a release, int8 (weight-only) for a bundle (model/precision.py)",
-        )
-        command.add_argument("--verify", action="store_true", help="check a bundle's sha256 checksums before loading")
-        command.add_argument(
-            "--resident-layers",
-            type=positive_int,
-            metavar="N",
-            help="low-memory mode: at most N decoder layers hold weights at once (e.g. 4 for an fp32 9B in 24 GB)",
-        )
-
-    answer = sub.add_parser("answer", help="answer a System One request")
-    add_request_arguments(answer)
-    add_model_arguments(answer)
-    add_device_arguments(answer)
-    answer.add_argument("--json", action="store_true", help="print the System One response body")
-    answer.add_argument("--table", action="store_true", help="print the readable table even when piped")
-    answer.add_argument("--timings", action="store_true", help="add tokenize / decoder / head / total milliseconds")
-    answer.set_defaults(run=command_answer)
-
-    render = sub.add_parser("render", help="show the rendered prompt with question and option spans marked")
-    add_request_arguments(render)
-    add_model_arguments(render)
-    render.add_argument("--max-length", type=int, help="token limit (default 65536)")
-    render.set_defaults(run=command_render)
-
-    serve = sub.add_parser(
-        "serve",
-        help="serve POST /v1/systemone (+ Workers AI route, /v1/models, /health, /metrics, a demo page at /)",
-    )
-    add_model_arguments(serve)
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    serve.add_argument("--port", type=int, default=8000, help="default 8000")
-    add_device_arguments(serve)
-    serve.add_argument(
-        "--api-key",
-        default=os.environ.get("CLEF_FLASH_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on the API routes (default $CLEF_FLASH_API_KEY; unset: no key)",
-    )
-    serve.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit, also after decompression (default 1 MiB)")
-    serve.add_argument("--max-length", type=int, help="token limit per record; longer ones get 422 (default 65536)")
-    serve.add_argument("--batch-tokens", type=int, help="padded tokens per batch (default: the model's, 8192)")
-    serve.add_argument("--batch-wait-ms", type=float, default=5.0, help="how long a request waits for others to batch with (default 5)")
-    serve.add_argument("--max-batch", type=int, default=64, help="records per batch (default 64; 1 turns batching off)")
-    serve.add_argument("--max-queue", type=int, default=256, help="queued records before 429 + Retry-After (default 256)")
-    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="default info")
-    serve.set_defaults(run=command_serve)
-
-
-    batch = sub.add_parser(
-        "batch",
-        help="answer a JSONL file of requests (or of states, with --schema) into JSONL; resumable",
-        description="Each input line is a System One request, or with --schema a state: a JSON object "
-        '{"state": ..., "id": ...} or any other JSON value used as the state itself. Each output line is '
-        '{"line", "id", ...the response body} or {"line", "id", "error": {"detail": [...]}}, in input order; '
-        "id is the input's own (exactly) or its line number. Rerun the same command after a crash to resume.",
-    )
-    batch.add_argument("input", help="JSONL input")
-    batch.add_argument("output", help="JSONL output (appended to when resuming; OUTPUT.progress.json beside it)")
-    batch.add_argument("--schema", help='a JSON file {"questions": {...}, "model"?: ...} asked about every input state')
-    add_model_arguments(batch)
-    add_device_arguments(batch)
-    batch.add_argument(
-        "--batch-size", type=positive_int, default=32, help="input lines scored together and written at once (default 32)"
-    )
-    batch.add_argument("--max-length", type=positive_int, help="token limit per record; longer ones get an error line (default 65536)")
-    batch.add_argument("--overwrite", action="store_true", help="start over, replacing OUTPUT, instead of resuming")
-    batch.set_defaults(run=command_batch)
-
-    evaluate = sub.add_parser("eval", help="agreement between two models or precisions; accuracy on labelled requests")
-    evaluations = evaluate.add_subparsers(dest="evaluation", required=True, metavar="EVALUATION")
-    agreement = evaluations.add_parser(
-        "agreement",
-        help="how far --model's answers are from --against-model's (the reference) on a JSONL file of requests",
-    )
-    agreement.add_argument("requests", help="JSONL, one System One request per line")
-    add_model_arguments(agreement)
-    add_device_arguments(agreement)
-    agreement.add_argument("--against-model", required=True, help="the reference model (a source as for --model)")
-    agreement.add_argument("--against-precision", help="the reference's precision (default bf16)")
-    agreement.add_argument("--against-revision", help="hub revision of --against-model")
-    agreement.add_argument(
-        "--near-tie", type=float, default=0.05, help="a differing answer is a near-tie when the reference's top-2 margin is below this (default 0.05)"
-    )
-    agreement.add_argument("--out", help="write report.json and report.md into this directory")
-    agreement.set_defaults(run=command_eval_agreement)
-    labelled = evaluations.add_parser(
-        "labelled",
-        help="accuracy, macro-F1, log-loss, Brier, ECE and a reliability diagram on requests with expected answers",
-        description='Each line is a System One request plus "expected": {question_id: label}: a choice label, '
-        'true/false for noul, a level index or level text for score. Questions without a label are not scored.',
-    )
-    labelled.add_argument("file", help="JSONL of labelled requests")
-    add_model_arguments(labelled)
-    add_device_arguments(labelled)
-    labelled.add_argument("--out", help="write report.json, report.md and reliability.png into this directory")
-    labelled.set_defaults(run=command_eval_labelled)
-
-    bench = sub.add_parser("bench", help="latency percentiles, records/s, tokens/s and peak RSS of a model")
-    add_model_arguments(bench)
-    bench.add_argument("--random", metavar="NAME", help="instead of --model: a random model built in memory (tiny, 9b-heads, 9b-part, 9b)")
-    bench.add_argument("--seed", type=int, default=0, help="seed of --random's weights and of generated requests")
-    add_device_arguments(bench)
-    bench.add_argument("--batch-size", type=positive_int, default=1, help="records per forward (default 1)")
-    bench.add_argument("--requests", help="JSONL of requests to run (default: generated ones)")
-    bench.add_argument("--records", type=positive_int, default=8, help="generated requests (default 8)")
-    bench.add_argument("--tokens", type=positive_int, default=512, help="tokens per generated request, about; the three questions alone take ~300 (default 512)")
-    bench.add_argument("--json", action="store_true", help="print the figures as one JSON object")
-    bench.set_defaults(run=command_bench)
-    convert = sub.add_parser("convert", help="convert a release into an 8-bit bundle (memory-mapped, loads in seconds)")
-    convert.add_argument("source", help="release directory, Hugging Face repo id, or tiny")
-    convert.add_argument("destination", help="the bundle directory to write")
-    convert.add_argument("--precision", default="int8", choices=["int8"], help="weights' precision (int8)")
-    convert.add_argument("--revision", help="hub revision for a repo id")
-    convert.add_argument("--overwrite", action="store_true", help="replace an existing destination")
-    convert.set_defaults(run=command_convert)
+    add_commands(parser, COMMANDS, "command")
     return parser
 
 

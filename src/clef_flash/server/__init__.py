@@ -1,6 +1,7 @@
 """The System One HTTP server: `create_app(model, **settings)` builds it around a loaded `Clef`.
 
-    app.py       routes, limits, errors, health, metrics (FastAPI)
+    app.py       SystemOneServer: the routes as a table, errors, health, metrics (FastAPI)
+    body.py      reading a body: size limits before and after zstd / gzip decompression
     batcher.py   the bounded queue and the one model worker thread (dynamic batching)
     metrics.py   the Prometheus text format, written by hand
     demo.html    the support-ticket triage page served at /

@@ -8,11 +8,14 @@
     GET  /metrics       Prometheus text
     GET  /              the support-ticket triage demo
 
-A request goes: API key -> body (size limits, zstd/gzip) -> `parse_request_json` -> model name ->
-`Clef.encode` (over-length records refused here, before inference) -> the batcher's queue (bounded:
-429) -> one `Clef.score` batch in the worker thread -> `shape_response`. Errors on `/v1` are
+A request goes: API key -> body (size limits, zstd/gzip: body.py) -> `parse_request_json` -> model
+name -> `Clef.encode` (over-length records refused here, before inference) -> the batcher's queue
+(bounded: 429) -> one `Clef.score` batch in the worker thread -> `shape_response`. Errors on `/v1` are
 FastAPI-shaped (`{"detail": [...]}` for 422, `{"detail": "..."}` otherwise); on the Workers AI
 routes they are `{"success": false, "errors": [{"code", "message"}]}` with Cloudflare's codes.
+
+`SystemOneServer` holds the model, settings, batcher, metrics and readiness; its `routes()` is the
+table above, one method per route. `create_app(model, **settings)` is the entry point.
 """
 
 from __future__ import annotations
@@ -24,10 +27,9 @@ import importlib.resources
 import logging
 import time
 import uuid
-import zlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
@@ -40,6 +42,7 @@ from ..engine import Prepared
 from ..errors import InferenceError, RequestInvalid
 from ..request.protocol import parse_request_json
 from .batcher import Batcher, Job, QueueFull
+from .body import ApiError, read_body
 from .metrics import ServerMetrics
 
 if TYPE_CHECKING:
@@ -68,90 +71,6 @@ class ServerSettings:
     max_queue: int = 256  # queued records; one more gets 429
     retry_after_s: int = 1
     warm_up: bool = True
-
-
-class ApiError(Exception):
-    """An error answered with `status` and `message`; `cf_code` is its Workers AI error code."""
-
-    def __init__(self, status: int, message: str, *, cf_code: int, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.cf_code = status, message, cf_code
-        self.headers = headers or {}
-
-
-# -- bodies ----------------------------------------------------------------------------------------
-
-
-class _Decompressor(Protocol):
-    eof: bool
-    unused_data: bytes
-
-    def decompress(self, data: bytes, max_length: int = ..., /) -> bytes: ...
-
-
-def _zstd() -> tuple[Callable[[], _Decompressor], type[Exception]] | None:
-    try:  # Python 3.14+
-        from compression.zstd import ZstdDecompressor, ZstdError  # type: ignore[import-not-found]
-    except ImportError:
-        try:
-            from backports.zstd import ZstdDecompressor, ZstdError  # type: ignore[import-not-found]
-        except ImportError:
-            return None
-    return ZstdDecompressor, ZstdError
-
-
-def _too_large(limit: int, what: str) -> ApiError:
-    return ApiError(413, f"the request body is too large: {what} over the limit of {limit} bytes", cf_code=5021)
-
-
-def _decompress(data: bytes, new: Callable[[], _Decompressor], error: type[Exception], name: str, limit: int) -> bytes:
-    """All frames (members) of `data`, refusing more than `limit` bytes without producing them."""
-    out = bytearray()
-    try:
-        while data:
-            decompressor = new()
-            out += decompressor.decompress(data, limit + 1 - len(out))
-            if len(out) > limit:
-                raise _too_large(limit, f"{name}-decompressed to")
-            if not decompressor.eof:
-                raise ApiError(400, f"the {name} body is truncated", cf_code=6003)
-            data = decompressor.unused_data
-    except error as exc:
-        raise ApiError(400, f"the body is not valid {name} data: {exc}", cf_code=6003) from None
-    return bytes(out)
-
-
-def decode_body(raw: bytes, content_encoding: str | None, limit: int) -> bytes:
-    """Undo `Content-Encoding` (zstd, gzip, or a list of them, applied left to right)."""
-    encodings = [part.strip().lower() for part in (content_encoding or "").split(",") if part.strip()]
-    for encoding in reversed(encodings):
-        if encoding == "identity":
-            continue
-        if encoding in ("gzip", "x-gzip"):
-            raw = _decompress(raw, lambda: zlib.decompressobj(wbits=16 + zlib.MAX_WBITS), zlib.error, "gzip", limit)
-        elif encoding == "zstd" and (zstd := _zstd()) is not None:
-            raw = _decompress(raw, zstd[0], zstd[1], "zstd", limit)
-        else:
-            hint = " (zstd needs Python 3.14 or the backports.zstd package)" if encoding == "zstd" else ""
-            raise ApiError(415, f"unsupported Content-Encoding {encoding!r}: send zstd, gzip or identity{hint}", cf_code=6003)
-    return raw
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refused with 413 as soon as the header or the bytes read so far pass `limit`."""
-    length = request.headers.get("content-length")
-    if length is not None:
-        if not length.strip().isdigit():
-            raise ApiError(400, f"bad Content-Length header {length[:40]!r}", cf_code=6003)
-        if int(length) > limit:
-            raise _too_large(limit, f"Content-Length {int(length)} is")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(limit, "more than")
-        chunks.append(chunk)
-    return decode_body(b"".join(chunks), request.headers.get("content-encoding"), limit)
 
 
 # -- request ids and metrics (plain ASGI, so that disconnects reach the routes untouched) ----------
@@ -195,16 +114,31 @@ class RequestContext:
                 self.metrics.latency.observe(time.perf_counter() - start, name)
 
 
-# -- the app ----------------------------------------------------------------------------------------
+# -- errors in each route's shape -------------------------------------------------------------------
 
 
 class _ClientGone(Exception):
     pass
 
 
-async def _wait_for_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+Outcome = tuple[dict[str, Any], dict[str, str]] | Exception
+"""What a request came to: (body, headers) to answer 200 with, or the error to answer in the route's shape."""
+
+
+def systemone_response(outcome: Outcome) -> Response:
+    """`/v1`'s shape: the body, or FastAPI's `{"detail": [...]}` (422) and `{"detail": "..."}`."""
+    if isinstance(outcome, tuple):
+        body, headers = outcome
+        return JSONResponse(body, 200, headers)
+    if isinstance(outcome, RequestInvalid):
+        return JSONResponse(outcome.detail(), 422)
+    if isinstance(outcome, ApiError):
+        return JSONResponse({"detail": outcome.message}, outcome.status, outcome.headers)
+    if isinstance(outcome, _ClientGone):
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+    if isinstance(outcome, InferenceError):
+        return JSONResponse({"detail": str(outcome)}, 500)
+    return JSONResponse({"detail": f"internal error: {type(outcome).__name__}: {outcome}"}, 500)
 
 
 def _cf_failure(status: int, code: int, message: str) -> tuple[int, dict[str, Any]]:
@@ -224,81 +158,152 @@ def _cf_validation(error: RequestInvalid) -> tuple[int, dict[str, Any]]:
     return _cf_failure(422, 5012, message)
 
 
-def create_app(model: Clef, **settings: Any) -> FastAPI:
-    """The server app around a loaded model. `settings`: the fields of `ServerSettings`."""
-    config = ServerSettings(**settings)
-    metrics = ServerMetrics(queue_depth=lambda: batcher.depth)
-    batcher = Batcher(
-        model,
-        metrics,
-        batch_tokens=config.batch_tokens or model.batch_tokens,
-        max_batch=config.max_batch,
-        batch_wait_s=config.batch_wait_ms / 1000,
-        max_queue=config.max_queue,
-    )
-    checkpoint = model.checkpoint
-    served_names = tuple(dict.fromkeys((model.model_name, *MODEL_ALIASES)))
-    identity = {
-        "model": model.model_name,
-        "source": model.source,
-        "fingerprint": {"config": checkpoint.fingerprint, "weights": checkpoint.weights_fingerprint},
-        "precision": model.precision,
-        "device": str(model.device),
-        "random_weights": model.is_random,
-        "max_length": model.max_length,
-        "api_key_required": config.api_key is not None,
-        "version": __version__,
-    }
-    description = (
-        "Cloudflare's clef-flash decision model (Qwen3.5 decoder + joint schema head), "
-        f"served by clef-flash {__version__} in {model.precision} on {model.device}"
-        + (" - RANDOM WEIGHTS: the answers mean nothing" if model.is_random else "")
-    )
-    models_body = {
-        "models": [
-            {"name": name, "description": description, "release_date": checkpoint.release_date} for name in served_names
-        ]
-    }
-    demo_page = importlib.resources.files(__package__).joinpath("demo.html").read_text(encoding="utf-8")
-    state: dict[str, Any] = {"status": "starting", "warm_up_error": None}
+def workers_ai_response(outcome: Outcome, request_id: str) -> Response:
+    """Cloudflare's shape: `{result, success, errors, messages}`, with a `cf-ai-req-id` header."""
+    headers: dict[str, str] = {}
+    if isinstance(outcome, tuple):
+        result, headers = outcome
+        status, body = 200, {"result": result, "success": True, "errors": [], "messages": []}
+    elif isinstance(outcome, RequestInvalid):
+        status, body = _cf_validation(outcome)
+    elif isinstance(outcome, ApiError):
+        status, body = _cf_failure(outcome.status, outcome.cf_code, outcome.message)
+        headers = outcome.headers
+    elif isinstance(outcome, _ClientGone):
+        return Response(status_code=499)
+    else:  # Cloudflare answers a failed inference with 529 / 5012
+        status = 529 if isinstance(outcome, InferenceError) else 500
+        status, body = _cf_failure(status, 5012, f"Clef inference failed: {outcome}")
+    return JSONResponse(body, status, {**headers, "cf-ai-req-id": request_id})
 
-    async def warm_up() -> None:
-        try:
-            if config.warm_up:
-                await batcher.submit(model.prepare(WARM_UP_REQUEST).record).future
-            state["status"] = "ready"
-        except Exception as error:
-            state["status"], state["warm_up_error"] = "failed", f"{type(error).__name__}: {error}"
-            log.exception("the warm-up request failed")
+
+# -- the server -------------------------------------------------------------------------------------
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class Route(NamedTuple):
+    path: str
+    method: str
+    handler: Callable[..., Awaitable[Response]]
+    summary: str
+    response_class: type[Response] = JSONResponse
+    in_schema: bool = True  # the bare Workers AI path is an alias: left out of the OpenAPI page
+
+
+class SystemOneServer:
+    """A loaded model behind HTTP: settings, the batcher and its metrics, readiness, and the routes."""
+
+    def __init__(self, model: Clef, settings: ServerSettings):
+        self.model, self.settings = model, settings
+        self.metrics = ServerMetrics(queue_depth=lambda: self.batcher.depth)
+        self.batcher = Batcher(
+            model,
+            self.metrics,
+            batch_tokens=settings.batch_tokens or model.batch_tokens,
+            max_batch=settings.max_batch,
+            batch_wait_s=settings.batch_wait_ms / 1000,
+            max_queue=settings.max_queue,
+        )
+        self.served_names = tuple(dict.fromkeys((model.model_name, *MODEL_ALIASES)))
+        self.status = "starting"  # -> warming_up -> ready, or failed (warm_up_error says why)
+        self.warm_up_error: str | None = None
+        self.identity, self.models_body = self.describe()
+        self.demo_page = importlib.resources.files(__package__).joinpath("demo.html").read_text(encoding="utf-8")
+        self.app = self.build_app()
+
+    def routes(self) -> list[Route]:
+        workers_ai = "/accounts/{account}/ai/run/{model_path:path}"
+        return [
+            Route("/v1/systemone", "POST", self.systemone, "Answer a System One request"),
+            Route("/client/v4" + workers_ai, "POST", self.workers_ai, f"Workers AI: run {WORKERS_AI_MODEL}"),
+            Route(workers_ai, "POST", self.workers_ai, f"Workers AI: run {WORKERS_AI_MODEL}", in_schema=False),
+            Route("/v1/models", "GET", self.list_models, "The served model and its aliases"),
+            Route("/health", "GET", self.health, "Readiness, model identity and fingerprints"),
+            Route("/metrics", "GET", self.prometheus, "Prometheus metrics", PlainTextResponse),
+            Route("/", "GET", self.demo, "The support-ticket triage demo", HTMLResponse),
+        ]
+
+    def build_app(self) -> FastAPI:
+        app = FastAPI(
+            title="clef-flash",
+            version=__version__,
+            description="A local System One server for Cloudflare's clef-flash decision model.",
+            lifespan=self.lifespan,
+            redoc_url=None,
+        )
+        app.add_middleware(RequestContext, metrics=self.metrics)
+        app.state.batcher, app.state.metrics, app.state.settings = self.batcher, self.metrics, self.settings
+        for route in self.routes():
+            app.add_api_route(
+                route.path,
+                route.handler,
+                methods=[route.method],
+                summary=route.summary,
+                response_class=route.response_class,
+                include_in_schema=route.in_schema,
+            )
+        return app
+
+    def describe(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """What /health says about the model, and the /v1/models body; fixed once the model is loaded."""
+        model, checkpoint = self.model, self.model.checkpoint
+        identity = {
+            "model": model.model_name,
+            "source": model.source,
+            "fingerprint": {"config": checkpoint.fingerprint, "weights": checkpoint.weights_fingerprint},
+            "precision": model.precision,
+            "precision_reason": model.precision_policy.reason,
+            "device": str(model.device),
+            "random_weights": model.is_random,
+            "max_length": model.max_length,
+            "api_key_required": self.settings.api_key is not None,
+            "version": __version__,
+        }
+        description = (
+            "Cloudflare's clef-flash decision model (Qwen3.5 decoder + joint schema head), "
+            f"served by clef-flash {__version__} in {model.precision} on {model.device}"
+            + (" - RANDOM WEIGHTS: the answers mean nothing" if model.is_random else "")
+        )
+        models = [
+            {"name": name, "description": description, "release_date": checkpoint.release_date}
+            for name in self.served_names
+        ]
+        return identity, {"models": models}
+
+    # -- the worker's lifetime ----------------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        batcher.start()
-        state["status"] = "warming_up"
-        warming = asyncio.create_task(warm_up())
+    async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
+        self.batcher.start()
+        self.status = "warming_up"
+        warming = asyncio.create_task(self.warm_up())
         try:
             yield
         finally:
             warming.cancel()
-            await asyncio.to_thread(batcher.stop)
+            await asyncio.to_thread(self.batcher.stop)
 
-    app = FastAPI(
-        title="clef-flash",
-        version=__version__,
-        description="A local System One server for Cloudflare's clef-flash decision model.",
-        lifespan=lifespan,
-        redoc_url=None,
-    )
-    app.add_middleware(RequestContext, metrics=metrics)
-    app.state.batcher, app.state.metrics, app.state.settings = batcher, metrics, config
+    async def warm_up(self) -> None:
+        try:
+            if self.settings.warm_up:
+                await self.batcher.submit(self.model.prepare(WARM_UP_REQUEST).record).future
+            self.status = "ready"
+        except Exception as error:
+            self.status, self.warm_up_error = "failed", f"{type(error).__name__}: {error}"
+            log.exception("the warm-up request failed")
 
     # -- one request, whatever the route ------------------------------------------------------
 
-    def check_api_key(request: Request) -> None:
-        if config.api_key is None:
+    def check_api_key(self, request: Request) -> None:
+        api_key = self.settings.api_key
+        if api_key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), config.api_key.encode()):
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
             raise ApiError(
                 401,
                 "a valid API key is required: send 'Authorization: Bearer <key>'",
@@ -306,26 +311,26 @@ def create_app(model: Clef, **settings: Any) -> FastAPI:
                 headers={"WWW-Authenticate": "Bearer"},
             )
 
-    def prepare(raw: bytes) -> Prepared:
+    def prepare(self, raw: bytes) -> Prepared:
         """Parse, check the model name and encode; raises RequestInvalid (422)."""
         parsed = parse_request_json(raw)
-        if parsed.model and parsed.model not in served_names:
-            names = ", ".join(repr(name) for name in served_names)
+        if parsed.model and parsed.model not in self.served_names:
+            names = ", ".join(repr(name) for name in self.served_names)
             raise RequestInvalid(
                 [
                     {
                         "type": "model_not_served",
                         "loc": ["body", "model"],
-                        "msg": f"this server serves {model.model_name!r}; 'model' must be one of {names} "
+                        "msg": f"this server serves {self.model.model_name!r}; 'model' must be one of {names} "
                         f"or left out; got {parsed.model[:100]!r}",
                         "input": parsed.model,
-                        "ctx": {"served": list(served_names)},
+                        "ctx": {"served": list(self.served_names)},
                     }
                 ]
             )
-        return model.prepare(parsed)  # RecordTooLong: token count and limit, before inference
+        return self.model.prepare(parsed)  # RecordTooLong: token count and limit, before inference
 
-    async def wait_for(job: Job, request: Request) -> list[Any]:
+    async def wait_for(self, job: Job, request: Request) -> list[Any]:
         """The job's result; if the client goes first, the job leaves the queue."""
         disconnect = asyncio.ensure_future(_wait_for_disconnect(request))
         try:
@@ -333,112 +338,74 @@ def create_app(model: Clef, **settings: Any) -> FastAPI:
         finally:
             disconnect.cancel()
             if not job.future.done():  # the client went away, or this task was cancelled
-                batcher.cancel(job)
+                self.batcher.cancel(job)
         if job.future.cancelled():
             raise _ClientGone
         return job.future.result()  # may raise InferenceError
 
-    async def answer(request: Request) -> tuple[dict[str, Any], dict[str, str]]:
-        check_api_key(request)
-        raw = await read_body(request, config.max_body_bytes)
-        prepared = await run_in_threadpool(prepare, raw)  # tokenizing a 1 MiB state takes a while
+    async def answer(self, request: Request) -> tuple[dict[str, Any], dict[str, str]]:
+        self.check_api_key(request)
+        raw = await read_body(request, self.settings.max_body_bytes)
+        prepared = await run_in_threadpool(self.prepare, raw)  # tokenizing a 1 MiB state takes a while
         try:
-            job = batcher.submit(prepared.record)
+            job = self.batcher.submit(prepared.record)
         except QueueFull:
+            retry_after = self.settings.retry_after_s
             raise ApiError(
                 429,
-                f"the server is busy: {batcher.max_queue} records are queued; retry after {config.retry_after_s} s",
+                f"the server is busy: {self.batcher.max_queue} records are queued; retry after {retry_after} s",
                 cf_code=3040,
-                headers={"Retry-After": str(config.retry_after_s)},
+                headers={"Retry-After": str(retry_after)},
             ) from None
-        results = await wait_for(job, request)
-        body = model.respond(prepared, results)
+        results = await self.wait_for(job, request)
+        body = self.model.respond(prepared, results)
         timing = f"queue;dur={job.queue_ms():.1f}, model;dur={job.model_ms():.1f}"
         return body, {"Server-Timing": timing}
 
-    async def run_route(request: Request) -> tuple[int, Any, dict[str, str]] | Exception:
-        """(200, body, headers), or the error to answer in the route's own shape."""
+    async def run_route(self, request: Request) -> Outcome:
+        """(body, headers), or the error to answer in the route's own shape."""
         try:
-            body, headers = await answer(request)
-            return 200, body, headers
+            return await self.answer(request)
         except (ApiError, RequestInvalid, InferenceError, _ClientGone) as error:
             return error
         except Exception as error:
             log.exception("unexpected error answering a request")
             return error
 
-    # -- routes -----------------------------------------------------------------------------
+    # -- routes ---------------------------------------------------------------------------------
 
-    @app.post("/v1/systemone", summary="Answer a System One request")
-    async def systemone(request: Request) -> Response:
-        outcome = await run_route(request)
-        if isinstance(outcome, tuple):
-            status, body, headers = outcome
-            return JSONResponse(body, status, headers)
-        if isinstance(outcome, RequestInvalid):
-            return JSONResponse(outcome.detail(), 422)
-        if isinstance(outcome, ApiError):
-            return JSONResponse({"detail": outcome.message}, outcome.status, outcome.headers)
-        if isinstance(outcome, _ClientGone):
-            return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
-        if isinstance(outcome, InferenceError):
-            return JSONResponse({"detail": str(outcome)}, 500)
-        return JSONResponse({"detail": f"internal error: {type(outcome).__name__}: {outcome}"}, 500)
+    async def systemone(self, request: Request) -> Response:
+        return systemone_response(await self.run_route(request))
 
-    async def workers_ai(request: Request, account: str, model_path: str) -> Response:
+    async def workers_ai(self, request: Request, account: str, model_path: str) -> Response:
         if model_path != WORKERS_AI_MODEL:
             status, body = _cf_failure(400, 7000, f"No route for that URI: this server runs {WORKERS_AI_MODEL}")
             return JSONResponse(body, status)
-        outcome = await run_route(request)
-        headers: dict[str, str] = {}
-        if isinstance(outcome, tuple):
-            _, result, headers = outcome
-            status, body = 200, {"result": result, "success": True, "errors": [], "messages": []}
-        elif isinstance(outcome, RequestInvalid):
-            status, body = _cf_validation(outcome)
-        elif isinstance(outcome, ApiError):
-            status, body = _cf_failure(outcome.status, outcome.cf_code, outcome.message)
-            headers = outcome.headers
-        elif isinstance(outcome, _ClientGone):
-            return Response(status_code=499)
-        else:  # Cloudflare answers a failed inference with 529 / 5012
-            status = 529 if isinstance(outcome, InferenceError) else 500
-            status, body = _cf_failure(status, 5012, f"Clef inference failed: {outcome}")
-        return JSONResponse(body, status, {**headers, "cf-ai-req-id": request.state.request_id})
+        return workers_ai_response(await self.run_route(request), request.state.request_id)
 
-    for prefix in ("/client/v4", ""):
-        app.add_api_route(
-            prefix + "/accounts/{account}/ai/run/{model_path:path}",
-            workers_ai,
-            methods=["POST"],
-            summary="Workers AI: run @cf/cloudflare/clef-flash",
-            include_in_schema=bool(prefix),
-        )
-
-    @app.get("/v1/models", summary="The served model and its aliases")
-    async def list_models(request: Request) -> Response:
+    async def list_models(self, request: Request) -> Response:
         try:
-            check_api_key(request)
+            self.check_api_key(request)
         except ApiError as error:
-            return JSONResponse({"detail": error.message}, error.status, error.headers)
-        return JSONResponse(models_body)
+            return systemone_response(error)  # /v1's error shape
+        return JSONResponse(self.models_body)
 
-    @app.get("/health", summary="Readiness, model identity and fingerprints")
-    async def health() -> Response:
-        body = {"status": state["status"], **identity, "queue_depth": batcher.depth}
-        if state["warm_up_error"]:
-            body["error"] = state["warm_up_error"]
-        return JSONResponse(body, 200 if state["status"] == "ready" else 503)
+    async def health(self) -> Response:
+        body = {"status": self.status, **self.identity, "queue_depth": self.batcher.depth}
+        if self.warm_up_error:
+            body["error"] = self.warm_up_error
+        return JSONResponse(body, 200 if self.status == "ready" else 503)
 
-    @app.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse)
-    async def prometheus() -> Response:
-        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    async def prometheus(self) -> Response:
+        return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/", summary="The support-ticket triage demo", response_class=HTMLResponse)
-    async def demo() -> Response:
-        return HTMLResponse(demo_page)
+    async def demo(self) -> Response:
+        return HTMLResponse(self.demo_page)
 
-    return app
+
+def create_app(model: Clef, **settings: Any) -> FastAPI:
+    """The server app around a loaded model. `settings`: the fields of `ServerSettings`."""
+    return SystemOneServer(model, ServerSettings(**settings)).app
 
 
 def serve(model: Clef, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", **settings: Any) -> None:
