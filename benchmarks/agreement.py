@@ -1,17 +1,23 @@
-"""Agreement with the fp32 reference: our bf16 and int8 paths beside the reference's own bf16 path, same requests.
+"""Agreement with the fp32 reference: our paths beside the reference's own bf16 path, same requests.
 
-    python benchmarks/agreement.py [--config 9b-heads] [--requests 40] [--seed 1] [--no-int8] [--no-w8a8]
+    python benchmarks/agreement.py [--configs 9b-heads,9b-heads-outliers] [--requests 30] [--seed 1] [--json OUT]
 
-int8 rows: both compute modes, and each also with the DeltaNet gate projections (in_proj_a, in_proj_b)
-quantized, to measure the predicate's choice of keeping them 16-bit.
+For each random release (the plain one, and one with three hidden channels 50x the rest at every
+projection's input): the reference (transformers + the authors' head) in fp32 is the truth; every other
+path answers the same generated requests. Rows: decisions that differ (with the fp32 top-2 margin of
+each flip), median and max |dp|, and whether the path is *qualified*: no more decisions differing than
+the reference's own bf16, median |dp| at most 2x its (the rule model/precision.py's QUALIFIED_* encode).
 
-Both are compared with the reference (transformers + the authors' head) in fp32 on a random release:
-decisions that differ (with the fp32 top-2 margin of each flip) and the median / max |dp|.
+Paths: our bf16; int8 weight-only and W8A8 quantized from the release (no calibration); a converted
+bundle calibrated on the built-in requests (outlier channels in fp32) in W8A8 and weight-only; each release's and
+bundle's default (`precision=None`) on this machine. The outlier ratio (largest / median channel absmax
+at each projection's input, from the calibration run) is printed for each release.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -23,8 +29,9 @@ import torch  # noqa: E402
 from conftest import ReferenceModel, load_reference_module  # noqa: E402
 
 import clef_flash  # noqa: E402
-from clef_flash import quant  # noqa: E402
 from clef_flash.checkpoint.random_release import write_random_release  # noqa: E402
+from clef_flash.checkpoint.outliers import calibrate, default_calibration_requests, outlier_ratios  # noqa: E402
+from clef_flash.conversion import convert  # noqa: E402
 from clef_flash.request.samples import random_requests  # noqa: E402
 
 
@@ -32,35 +39,33 @@ def probabilities(logits: dict[str, float]) -> torch.Tensor:
     return torch.tensor(list(logits.values()), dtype=torch.float64).softmax(-1)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="9b-heads")
-    parser.add_argument("--requests", type=int, default=40)
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--no-int8", action="store_true", help="skip the int8 rows")
-    parser.add_argument("--no-w8a8", action="store_true", help="skip W8A8 (slow where torch._int_mm has no VNNI)")
-    args = parser.parse_args()
-
-    root = write_random_release(Path(tempfile.mkdtemp()) / args.config, args.config, seed=args.seed)
-    module = load_reference_module()
-    reference_fp32 = ReferenceModel(module, root, torch.float32)
-    candidates = {
+def paths(root: Path, bundle: Path, module) -> dict:
+    load = lambda source, precision: clef_flash.load(source, device="cpu", precision=precision)  # noqa: E731
+    release_default, bundle_default = load(root, None), load(bundle, None)
+    return {
         "reference bf16": ReferenceModel(module, root, torch.bfloat16).logits,
-        "clef-flash bf16": clef_flash.load(root, device="cpu", precision="bf16").logits,
-        "clef-flash fp32": clef_flash.load(root, device="cpu", precision="fp32").logits,
+        "ours bf16": load(root, "bf16").logits,
+        "int8 weight-only (release)": load(root, "int8-weight-only").logits,
+        "int8 w8a8 (release, uncalibrated)": load(root, "int8-w8a8").logits,
+        "int8 w8a8 (calibrated bundle)": load(bundle, "int8-w8a8").logits,
+        "int8 weight-only (calibrated bundle)": load(bundle, "int8-weight-only").logits,
+        f"default of the release: {release_default.precision}": release_default.logits,
+        f"default of the bundle: {bundle_default.precision}": bundle_default.logits,
     }
-    modes = [] if args.no_int8 else ["weight-only"] + ([] if args.no_w8a8 else ["w8a8"])
-    for mode in modes:
-        candidates[f"int8 {mode}"] = clef_flash.load(root, device="cpu", precision=f"int8-{mode}").logits
-        kept, quant.KEPT_HIGH_PRECISION = quant.KEPT_HIGH_PRECISION, ()
-        try:
-            candidates[f"int8 {mode}, a/b int8"] = clef_flash.load(root, device="cpu", precision=f"int8-{mode}").logits
-        finally:
-            quant.KEPT_HIGH_PRECISION = kept
+
+
+def compare(config: str, requests: int, seed: int, module) -> dict:
+    work = Path(tempfile.mkdtemp())
+    root = write_random_release(work / config, config, seed=seed)
+    fp32 = clef_flash.load(root, device="cpu", precision="fp32")
+    ratios = outlier_ratios(calibrate(fp32, default_calibration_requests()))
+    bundle = convert(root, work / "bundle", progress=False)
+    candidates = paths(root, bundle, module)
+    reference_fp32 = ReferenceModel(module, root, torch.float32)
     flips = {name: [] for name in candidates}
     deltas = {name: [] for name in candidates}
     questions = 0
-    for request in random_requests(args.seed, args.requests):
+    for request in random_requests(seed, requests):
         expected = reference_fp32.logits(request)
         results = {name: function(request) for name, function in candidates.items()}
         for question_id, logits in expected.items():
@@ -73,11 +78,61 @@ def main() -> None:
                 deltas[name] += (q - p).abs().tolist()
                 if int(q.argmax()) != int(p.argmax()):
                     flips[name].append(margin)
-    print(f"random release {args.config} (seed {args.seed}), {args.requests} requests, {questions} questions, vs reference fp32")
-    print(f"{'path':>24} {'decisions differing':>20} {'median |dp|':>12} {'max |dp|':>10}  fp32 margins of the flips")
-    for name in candidates:
-        margins = ", ".join(f"{m:.1e}" for m in sorted(flips[name])) or "-"
-        print(f"{name:>24} {len(flips[name]):>20} {statistics.median(deltas[name]):12.2e} {max(deltas[name]):10.2e}  {margins}")
+    rows = {
+        name: {
+            "decisions_differing": len(flips[name]),
+            "flip_margins": sorted(flips[name]),
+            "median_dp": statistics.median(deltas[name]),
+            "max_dp": max(deltas[name]),
+        }
+        for name in candidates
+    }
+    reference = rows["reference bf16"]
+    for row in rows.values():
+        row["qualified"] = (
+            row["decisions_differing"] <= reference["decisions_differing"]
+            and row["median_dp"] <= 2 * reference["median_dp"]
+        )
+    values = sorted(ratios.values())
+    return {
+        "config": config,
+        "seed": seed,
+        "requests": requests,
+        "questions": questions,
+        "outlier_ratio": {"median": statistics.median(values), "max": values[-1]},
+        "rows": rows,
+    }
+
+
+def print_report(result: dict) -> None:
+    ratio = result["outlier_ratio"]
+    print(
+        f"\nrandom release {result['config']} (seed {result['seed']}), {result['requests']} requests, "
+        f"{result['questions']} questions, vs reference fp32; outlier ratio (max/median channel absmax at a "
+        f"projection's input): median {ratio['median']:.1f}, max {ratio['max']:.1f}"
+    )
+    print(f"{'path':>38} {'differing':>10} {'median |dp|':>12} {'max |dp|':>10} {'qualified':>10}  fp32 margins of the flips")
+    for name, row in result["rows"].items():
+        margins = ", ".join(f"{m:.1e}" for m in row["flip_margins"]) or "-"
+        print(
+            f"{name:>38} {row['decisions_differing']:>10} {row['median_dp']:12.2e} {row['max_dp']:10.2e} "
+            f"{'yes' if row['qualified'] else 'NO':>10}  {margins}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", default="9b-heads,9b-heads-outliers")
+    parser.add_argument("--requests", type=int, default=30)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--json", help="also write the figures to this file")
+    args = parser.parse_args()
+    module = load_reference_module()
+    results = [compare(config, args.requests, args.seed, module) for config in args.configs.split(",")]
+    for result in results:
+        print_report(result)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
 
 
 if __name__ == "__main__":

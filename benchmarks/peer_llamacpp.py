@@ -1,6 +1,6 @@
 """Prompt processing beside llama.cpp, the CPU peer: the same random model, machine and run.
 
-    python benchmarks/peer_llamacpp.py [--config 9b-part] [--rounds 3] [--precisions default,int8-w8a8,bf16]
+    python benchmarks/peer_llamacpp.py [--config 9b-part] [--rounds 3] [--precisions default,bf16,bundle:default]
                                        [--json out.json] [--force]
     python benchmarks/peer_llamacpp.py --setup-only      # build, write and convert (idempotent), time nothing
 
@@ -11,7 +11,8 @@ llama-quantize); a random release (`clef-flash tiny DIR --config CONFIG`; 9b-par
 sizes, 5.8 GB of bf16; `tiny` does not run in llama.cpp: its mrope sections exceed its rotary dims); the
 vendored convert_hf_to_gguf.py, in its own venv (transformers 4.x), turns a copy of the release (head
 files left out, tokenizer class Qwen2TokenizerFast, big files symlinked) into a BF16 GGUF, which
-llama-quantize turns into Q8_0 and Q4_0.
+llama-quantize turns into Q8_0 and Q4_0. Ours also converts the release to a calibrated 8-bit bundle
+(`clef-flash convert`), timed as `bundle:PRECISION`.
 
 Measured, on --threads threads (default 2): llama.cpp's prompt processing, `llama-bench -p 370 -n 0 -r 3`
 (default weight repacking; tokens/s, llama-bench's mean of 3 after its warm-up), for BF16, Q8_0 and Q4_0;
@@ -47,6 +48,7 @@ BIN = BUILD / "bin"
 VENV = PEER / "convert-venv"
 FORMATS = ("BF16", "Q8_0", "Q4_0")
 HEAD_FILES = ("joint_head.safetensors", "joint_head_config.json")
+BUNDLE = "bundle:"  # --precisions prefix: run our calibrated bundle of the release
 MAX_LOAD = 0.5
 
 
@@ -152,12 +154,20 @@ def convert(release: Path, python: Path) -> dict[str, Path]:
     return ggufs
 
 
-def setup(config: str) -> tuple[Path, dict[str, Path]]:
+def write_bundle(release: Path) -> Path:
+    """Our 8-bit bundle of the release, calibrated on the built-in requests (`clef-flash convert`)."""
+    bundle = PEER / f"bundle-{release.name.removeprefix('release-')}"
+    if not (bundle / "manifest.json").exists():
+        run([Path(sys.executable).with_name("clef-flash"), "convert", release, bundle, "--overwrite"])
+    return bundle
+
+
+def setup(config: str) -> tuple[Path, Path, dict[str, Path]]:
     PEER.mkdir(exist_ok=True)
     fetch_source()
     build_llama()
     release = write_release(config)
-    return release, convert(release, converter_venv())
+    return release, write_bundle(release), convert(release, converter_venv())
 
 
 def time_llama(gguf: Path, tokens: int, threads: int) -> dict:
@@ -241,7 +251,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="9b-part", help="random config for `clef-flash tiny`")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--precisions", default="default,int8-w8a8,bf16", help="ours; default: precision=None")
+    parser.add_argument(
+        "--precisions",
+        default="default,bf16,bundle:default,bundle:int8-weight-only",
+        help="ours: precisions of the release, or bundle:PRECISION of its calibrated bundle; default: precision=None",
+    )
     parser.add_argument("--tokens", type=int, default=370, help="prompt tokens (llama.cpp) / most record tokens (ours)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3, help="timed answers per run of ours (median)")
@@ -255,9 +269,9 @@ def main() -> None:
         time_ours(args)
         return
 
-    release, ggufs = setup(args.config)
+    release, bundle, ggufs = setup(args.config)
     if args.setup_only:
-        print(f"ready: {BIN / 'llama-bench'}, {release}, " + ", ".join(str(path) for path in ggufs.values()))
+        print(f"ready: {BIN / 'llama-bench'}, {release}, {bundle}, " + ", ".join(str(path) for path in ggufs.values()))
         return
     load = os.getloadavg()[0]
     if load > MAX_LOAD and not args.force:
@@ -271,7 +285,8 @@ def main() -> None:
         for name, gguf in ggufs.items():
             one_round["llama.cpp"][name] = time_llama(gguf, args.tokens, args.threads)
         for precision in args.precisions.split(","):
-            one_round["ours"][precision] = ours(release, precision, args)
+            source = bundle if precision.startswith(BUNDLE) else release
+            one_round["ours"][precision] = ours(source, precision.removeprefix(BUNDLE), args)
         rounds.append(one_round)
 
     rows = summarize(rounds)
@@ -279,9 +294,9 @@ def main() -> None:
               "llama_cpp": f"llama-cpp-python {VERSION} vendored, build {rounds[0]['llama.cpp']['BF16']['build']}",
               "rounds": rounds, "rows": rows}
     loads = ", ".join(f"{one_round['load_avg_1min']:.2f}" for one_round in rounds)
-    resolved = rounds[0]["ours"].get("default", {}).get("resolved_precision")
+    resolved = {name: run["resolved_precision"] for name, run in rounds[0]["ours"].items() if "default" in name}
     print(f"\n{result['cpu']}, {args.threads} threads; {args.config} release; {args.rounds} rounds "
-          f"(1-minute load before each: {loads}){f'; ours default = {resolved}' if resolved else ''}\n")
+          f"(1-minute load before each: {loads}); defaults resolved to {resolved}\n")
     print(markdown(rows))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")

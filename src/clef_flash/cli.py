@@ -8,10 +8,11 @@
     clef-flash eval agreement REQUESTS        --model A vs --against-model B: answers that differ, |dp|, near-ties
     clef-flash eval labelled FILE --model SRC accuracy, macro-F1, log-loss, Brier, ECE, a reliability diagram
     clef-flash bench [--random NAME]          latency percentiles, records/s, tokens/s, peak RSS
-    clef-flash convert SRC DST                a release to an 8-bit bundle (memory-mapped, int8 weights)
+    clef-flash convert SRC DST                a release to an 8-bit bundle (memory-mapped, int8, calibrated outliers)
+    clef-flash info                           this machine's features and probe, the default precision and why
 
 Environment defaults: CLEF_FLASH_MODEL (--model), CLEF_FLASH_DEVICE (--device),
-CLEF_FLASH_PRECISION (--precision), CLEF_FLASH_API_KEY (serve --api-key).
+CLEF_FLASH_PRECISION (--precision; also what `load(precision=None)` runs), CLEF_FLASH_API_KEY (serve --api-key).
 """
 
 from __future__ import annotations
@@ -139,13 +140,19 @@ def command_tiny(args: argparse.Namespace) -> int:
 
 
 def command_convert(args: argparse.Namespace) -> int:
-    from .checkpoint.bundle import convert, verify_checksums
+    from .checkpoint.bundle import verify_checksums
+    from .conversion import convert
 
     start = time.perf_counter()
-    out = convert(args.source, args.destination, precision=args.precision, revision=args.revision, overwrite=args.overwrite)
+    calibrate = None if args.no_calibrate else args.calibrate
+    out = convert(args.source, args.destination, calibrate=calibrate, revision=args.revision, overwrite=args.overwrite)
     verify_checksums(out)
     size = sum(path.stat().st_size for path in out.iterdir())
-    print(f"wrote an {args.precision} bundle to {out} ({size / 1e9:.2f} GB, {time.perf_counter() - start:.1f} s, checksums verified)")
+    calibrated = "outlier channels calibrated on " + calibrate if calibrate else "not calibrated"
+    print(
+        f"wrote an {args.precision} bundle to {out} ({calibrated}; {size / 1e9:.2f} GB, "
+        f"{time.perf_counter() - start:.1f} s, checksums verified)"
+    )
     return 0
 
 
@@ -241,6 +248,13 @@ def command_batch(args: argparse.Namespace) -> int:
     from .console import ProgressBar
     from .request.records import DEFAULT_MAX_LENGTH
 
+    from .checkpoint import open_checkpoint
+    from .engine import pick_device, precision_for
+
+    # The precision as resolved on this machine, not as asked: a job resumed on another kind of CPU,
+    # whose default differs, is refused instead of mixing precisions in one output.
+    checkpoint = open_checkpoint(args.model, revision=args.revision)
+    args.precision = precision_for(checkpoint, pick_device(args.device), args.precision).name
     made_with = {"source": args.model, "revision": args.revision, "precision": args.precision, "max_length": args.max_length}
     job = BatchJob.open(args.input, args.output, schema_path=args.schema, model=made_with, overwrite=args.overwrite)
     total = job.total()
@@ -290,6 +304,48 @@ def command_eval_labelled(args: argparse.Namespace) -> int:
         args.file, lambda: load_model(args)
     )
     write_report(args, report, labelled_markdown(report), reliability_png(report["reliability"]))
+    return 0
+
+
+def command_info(args: argparse.Namespace) -> int:
+    import torch
+
+    from . import machine
+    from .model.precision import choose_precision
+
+    here = machine.this_machine()
+    if args.reprobe:
+        machine.forget_rates(here)
+    measured = machine.rates(here)
+    device = torch.device("cpu")
+    defaults = {
+        kind: choose_precision(device, stored_int8=stored, calibrated=calibrated, rates=lambda: measured)
+        for kind, stored, calibrated in (
+            ("release", False, False),
+            ("calibrated bundle", True, True),
+            ("uncalibrated bundle", True, False),
+        )
+    }
+    report = {
+        **machine.describe(here, measured),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "default_precision": {kind: {"precision": value.name, "why": value.reason} for kind, value in defaults.items()},
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    features = ", ".join(here.features) or "none of " + ", ".join(machine.FEATURE_FLAGS)
+    probe = report["probe"]
+    print(f"CPU          {here.cpu} ({features})")
+    print(f"torch        {here.torch}, kernels for {here.cpu_capability}, oneDNN {'yes' if here.onednn else 'no'}, {here.threads} threads")
+    print(f"CUDA         {report['cuda'] or 'none'}")
+    print(
+        f"probe        fp32 {probe['fp32_gflops']:.0f} GFLOP/s, bf16 {probe['bf16_gflops']:.0f} GFLOP/s, "
+        f"int8 {probe['int8_gops']:.0f} GOP/s ({probe['int8_kernel']}); {machine.PROBE_SHAPE[0]} tokens x "
+        f"{machine.PROBE_SHAPE[1]} -> {machine.PROBE_SHAPE[2]}"
+    )
+    for kind, value in defaults.items():
+        print(f"default      {kind}: {value.name} ({value.reason})")
     return 0
 
 
@@ -385,7 +441,7 @@ DEVICE_ARGUMENTS = (
         "--precision",
         env="CLEF_FLASH_PRECISION",
         choices=PRECISION_CHOICES,
-        help="default bf16 for a release, int8 (weight-only) for a bundle (model/precision.py)",
+        help="default: the fastest qualified path on this machine (see `clef-flash info`; model/precision.py)",
     ),
     arg("--verify", action="store_true", help="check a bundle's sha256 checksums before loading"),
     arg(
@@ -433,6 +489,15 @@ EVALUATIONS = (
 )
 
 COMMANDS = (
+    Command(
+        "info",
+        "this machine: CPU features, torch build and threads, the probe's rates, the default precision and why",
+        command_info,
+        (
+            arg("--json", action="store_true", help="print one JSON object"),
+            arg("--reprobe", action="store_true", help="measure the rates again instead of reading the cached probe"),
+        ),
+    ),
     Command(
         "tiny",
         "write a random release with the real vocabulary (for smoke tests)",
@@ -541,6 +606,13 @@ COMMANDS = (
             arg("--precision", default="int8", choices=["int8"], help="weights' precision (int8)"),
             arg("--revision", help="hub revision for a repo id"),
             arg("--overwrite", action="store_true", help="replace an existing destination"),
+            arg(
+                "--calibrate",
+                default="built-in",
+                metavar="REQUESTS",
+                help="JSONL of requests to find the outlier channels on (default: built-in, 16 generated requests)",
+            ),
+            arg("--no-calibrate", action="store_true", help="no calibration: plain per-token int8 activations (W8A8 is then not the default)"),
         ),
     ),
 )

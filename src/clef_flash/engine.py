@@ -18,7 +18,9 @@ import torch
 from .checkpoint import Checkpoint, ModelParts, build_model, open_checkpoint
 from .errors import ClefError, RequestInvalid
 from .model.head_batch import build_head_batch, softmax_per_question, split_logits
-from .model.precision import Precision, resolve_precision
+from .machine import rates as machine_rates
+from .checkpoint.quant import INT_MM
+from .model.precision import W8A8, Precision, dense_dtype_for, resolve_precision
 from .request.answers import shape_response
 from .request.protocol import DEFAULT_MODEL_NAME, SystemOneRequest, parse_request
 from .request.records import DEFAULT_MAX_LENGTH, EncodedRecord, encode_record
@@ -260,6 +262,16 @@ class Clef:
         return prepared, results
 
 
+def precision_for(checkpoint: Checkpoint, device: torch.device, requested: str | None) -> Precision:
+    """The precision `load` runs `checkpoint` in on `device`: `requested`, or the machine's default."""
+    try:
+        return resolve_precision(
+            requested, device, stored_int8=checkpoint.stored_int8, calibrated=checkpoint.calibrated, rates=machine_rates
+        )
+    except ValueError as exc:
+        raise ClefError(f"{checkpoint.where} {exc}" if checkpoint.stored_int8 else str(exc)) from None
+
+
 def load(
     source: str | os.PathLike[str] = "tiny",
     *,
@@ -282,11 +294,14 @@ def load(
     """
     checkpoint = open_checkpoint(source, revision=revision, verify=verify)
     resolved_device = pick_device(device)
-    try:
-        policy = resolve_precision(precision, resolved_device, stored_int8=checkpoint.stored_int8)
-    except ValueError as exc:
-        raise ClefError(f"{checkpoint.where} {exc}" if checkpoint.stored_int8 else str(exc)) from None
-    parts = build_model(checkpoint, policy, resolved_device, resident_layers=resident_layers)
+    policy = precision_for(checkpoint, resolved_device, precision)
+    kernel, dense_dtype = INT_MM, None
+    if policy.int8_mode == W8A8 and resolved_device.type == "cpu":
+        measured = machine_rates()
+        kernel, dense_dtype = measured.int8_kernel, dense_dtype_for(measured)
+    parts = build_model(
+        checkpoint, policy, resolved_device, resident_layers=resident_layers, int8_kernel=kernel, dense_dtype=dense_dtype
+    )
     return Clef(
         checkpoint, parts, device=resolved_device, precision=policy, max_length=max_length, batch_tokens=batch_tokens
     )

@@ -34,6 +34,7 @@ from ..errors import BundleError, ModelSourceError, WeightsError
 from ..model.precision import KEPT_HIGH_PRECISION, PRECISIONS, storage_dtype_of
 from .loading import DECODER_PREFIX, IGNORED_PREFIXES, LM_HEAD, build_model
 from .quant import SCHEME, QuantizingSource
+from .outliers import MAX_FRACTION, THRESHOLD, Calibration, find_outliers
 from .safetensors_io import (
     MappedSafetensors,
     MergedSources,
@@ -76,8 +77,14 @@ def convert(
     revision: str | None = None,
     overwrite: bool = False,
     progress: bool = True,
+    calibration: Calibration | None = None,
+    calibration_source: str | None = None,
 ) -> Path:
-    """Convert a release into an 8-bit bundle at `destination`, reading one tensor at a time."""
+    """Convert a release into an 8-bit bundle at `destination`, reading one tensor at a time.
+
+    `calibration` (outliers.calibrate on the release): each projection's outlier input channels are kept
+    in fp32 beside its int8 weight; `calibration_source` says in the manifest what it was computed on.
+    """
     if precision != "int8":
         raise BundleError(f"unknown bundle precision {precision!r}: only int8 bundles exist")
     root = resolve_source(source, revision=revision)
@@ -96,10 +103,12 @@ def convert(
         config=read_json(root / "config.json"),
         head_config=read_json(root / HEAD_CONFIG),
         tokenizer_file=root / "tokenizer.json",
-        tensors=QuantizingSource(StreamedSafetensors(release_files(root))),
+        tensors=StreamedSafetensors(release_files(root)),
         head_tensors=StreamedSafetensors([root / HEAD_WEIGHTS]),
         stored_int8=True,
     )
+    outliers = find_outliers(calibration) if calibration is not None else {}
+    checkpoint.tensors = QuantizingSource(checkpoint.tensors, outliers=outliers)
     # Check every name and shape against the model before writing anything (meta tensors: no data read).
     _check(checkpoint)
 
@@ -143,6 +152,20 @@ def convert(
                 "quantized": "decoder projections (*_proj.weight, in_proj_*.weight; 2-D)",
                 "kept_high_precision": list(KEPT_HIGH_PRECISION) + ["norms", "conv1d", "A_log", "dt_bias"],
                 "dtypes": {part: str(dtype).removeprefix("torch.") for part, dtype in _part_dtypes(plans).items()},
+                "outliers": None
+                if calibration is None
+                else {
+                    "method": "input channels above threshold x the median channel's calibration absmax: fp32 beside int8",
+                    "threshold": THRESHOLD,
+                    "max_fraction": MAX_FRACTION,
+                    "projections": len(outliers),
+                    "channels": sum(len(channels) for channels in outliers.values()),
+                    "calibration": {
+                        "source": calibration_source or "given",
+                        "records": calibration.records,
+                        "tokens": calibration.tokens,
+                    },
+                },
             },
             "source": {
                 "path": str(source),

@@ -20,8 +20,8 @@ from torch.overrides import TorchFunctionMode
 
 from ..errors import ModelSourceError
 from ..errors import WeightsError
-from ..model.precision import Precision
-from .quant import QuantizingSource, replace_linears
+from ..model.precision import OUTLIER_CHANNELS, Precision
+from .quant import INT_MM, QuantizingSource, replace_linears
 from .safetensors_io import TensorSource
 
 if TYPE_CHECKING:
@@ -162,6 +162,8 @@ def build_model(
     device: torch.device,
     *,
     resident_layers: int | None = None,
+    int8_kernel: str = INT_MM,
+    dense_dtype: torch.dtype | None = None,
 ) -> ModelParts:
     """Build the modules on the meta device, check every name and shape, and fill them from the checkpoint.
 
@@ -169,6 +171,8 @@ def build_model(
     int8 weights and their scales (a bundle), or from the checkpoint quantized tensor by tensor while
     loading (`QuantizingSource`). `resident_layers` (low-memory mode): at most that many decoder layers
     hold their weights at once, each filled from the (memory-mapped) source just before it runs.
+    `int8_kernel`: the library W8A8 runs on (quant.W8A8_KERNELS; the machine's probe picks it on a CPU);
+    `dense_dtype`: the dtype of W8A8's weight-only projections (bf16 where the probe finds it fast).
     """
     from ..model.config import TextConfig
     from ..model.joint_head import HeadConfig, JointHead
@@ -192,7 +196,12 @@ def build_model(
         decoder = Qwen35Decoder(text_config)
         head = JointHead(head_config)
     if precision.quantized:
-        replace_linears(decoder, precision.int8_mode)
+        outliers = {
+            name[len(DECODER_PREFIX) : -len(OUTLIER_CHANNELS) - 1]: tensors.shape(name)[0]
+            for name in tensors.keys()
+            if name.startswith(DECODER_PREFIX) and name.endswith("." + OUTLIER_CHANNELS)
+        }
+        replace_linears(decoder, precision.int8_mode, outliers=outliers, kernel=int8_kernel, dense_dtype=dense_dtype)
         decoder.activation_dtype = precision.compute_dtype
     expected = module_shapes(decoder, DECODER_PREFIX)
     expected[LM_HEAD] = (text_config.vocab_size, text_config.hidden_size)

@@ -9,8 +9,10 @@ the output-embedding rows it reads are never quantized.
 Compute modes (`Int8Linear.mode`):
 - `weight-only`: the int8 weight is dequantized tile by tile (a block of output rows at a time) to the
   activations' dtype and multiplied there; only the weight's rounding is added.
-- `w8a8`: activations are quantized per token (one scale per row, absmax / 127) and multiplied with
-  `torch._int_mm` (int32 accumulation); fast on CPUs with VNNI and on CUDA, slow elsewhere.
+- `w8a8`: activations are quantized per token (one scale per row, absmax / 127) and multiplied in int8
+  with int32 accumulation: oneDNN's int8 linear on x86 CPUs (AMX or VNNI), `torch._int_mm` elsewhere.
+- Outlier channels (LLM.int8()'s decomposition): a linear may carry a few input channels, found by
+  calibration (checkpoint/outliers.py), that are multiplied densely in fp32 and left out of the int8 parts.
 
 `QuantizingSource` wraps any tensor source (a release's safetensors) and presents the quantized
 names, so loading a release as int8 and converting it to a bundle are the same code path.
@@ -24,7 +26,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..model.precision import FP32, INT8, INT8_MODES, SCALE_DTYPE, SCALE_SUFFIX, W8A8, WEIGHT_ONLY, is_quantized
+from .safetensors_io import release_pages
+
+from ..model.precision import (
+    FP32,
+    INT8,
+    INT8_MODES,
+    OUTLIER_CHANNELS,
+    OUTLIER_DTYPE,
+    OUTLIER_WEIGHT,
+    SCALE_DTYPE,
+    SCALE_SUFFIX,
+    W8A8,
+    WEIGHT_ONLY,
+    int8_mode_of,
+    is_quantized,
+)
 
 SCHEME = "int8 symmetric, one fp32 scale per output channel"
 TILE_ELEMENTS = 1 << 22  # weight elements dequantized at once in weight-only mode (16 MB of fp32)
@@ -48,6 +65,54 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = FP32) 
     return (q.float() * scale.float()[:, None]).to(dtype)
 
 
+def quantize_per_token(x2d: torch.Tensor, outliers: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, I] -> (int8 [M, I], fp32 scale [M, 1]): absmax per row / 127; the `outliers` columns read as 0."""
+    x32 = x2d.float()
+    if outliers is not None:
+        x32 = x32.index_fill(1, outliers, 0.0)  # those channels go through the dense side product
+    scale = x32.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(FP32).tiny) / 127.0  # [M, 1]
+    return torch.round(x32 / scale).clamp_(-127, 127).to(INT8), scale  # not in place: x32 may be x itself
+
+
+def int_mm_linear(x2d: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, outliers: torch.Tensor | None = None) -> torch.Tensor:
+    """W8A8 through `torch._int_mm` (cuBLAS on CUDA, oneDNN's reference on CPU): x [M, I] -> fp32 [M, O]."""
+    rows = x2d.shape[0]
+    xq, x_scale = quantize_per_token(x2d, outliers)
+    if x2d.device.type == "cuda":  # cuBLAS int8 wants M > 16 and a multiple of 8
+        padded = max(32, -(-rows // 8) * 8)
+        xq = F.pad(xq, (0, 0, 0, padded - rows))
+    accumulated = torch._int_mm(xq, q.t())[:rows]  # [M, O] int32
+    return accumulated.float().mul_(x_scale).mul_(scale[None, :])
+
+
+def onednn_available() -> bool:
+    """oneDNN's int8 linear (x86 CPUs: AMX, AVX-512 VNNI, AVX2), the kernel PyTorch's inductor uses on CPU."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
+
+
+def onednn_pack(q: torch.Tensor) -> torch.Tensor:
+    """int8 [O, I] -> oneDNN's blocked layout for this CPU (an opaque tensor); done once per weight."""
+    return torch.ops.onednn.qlinear_prepack(q, None)
+
+
+def onednn_linear(x2d: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, outliers: torch.Tensor | None = None) -> torch.Tensor:
+    """W8A8 through oneDNN: x [M, I] -> fp32 [M, O], per-token activations, per-channel weight scales.
+
+    The kernel takes one activation scale; per-token scales factor out of the int32 sums, so it runs
+    with scale 1 and the rows are scaled after: out[m, o] = x_scale[m] * scale[o] * sum_i xq[m, i] q[o, i].
+    """
+    xq, x_scale = quantize_per_token(x2d, outliers)
+    zero_points = torch.zeros(scale.shape[0], dtype=torch.int32)
+    out = torch.ops.onednn.qlinear_pointwise(xq, 1.0, 0, packed, scale, zero_points, None, 1.0, 0, FP32, "none", [], "")
+    return out.mul_(x_scale)
+
+
+def w8a8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Per-token int8 activations times per-channel int8 weights, int32 accumulation -> [..., O] in x.dtype."""
+    out = int_mm_linear(x.reshape(-1, x.shape[-1]), q, scale)
+    return out.to(x.dtype).view(*x.shape[:-1], q.shape[0])
+
+
 def weight_only_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [..., I] @ dequantize(q, scale).T -> [..., O] in x.dtype, dequantizing a tile of output rows at a time."""
     x2d = x.reshape(-1, x.shape[-1])  # [M, I]
@@ -59,49 +124,80 @@ def weight_only_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) ->
     return out.view(*x.shape[:-1], q.shape[0])
 
 
-def quantize_per_token(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, I] -> (int8 [M, I], fp32 scale [M, 1]): absmax per row / 127."""
-    x32 = x2d.float()
-    scale = x32.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(FP32).tiny) / 127.0  # [M, 1]
-    return torch.round(x32 / scale).clamp_(-127, 127).to(INT8), scale
-
-
-def w8a8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Per-token int8 activations times per-channel int8 weights, int32 accumulation -> [..., O] in x.dtype."""
-    x2d = x.reshape(-1, x.shape[-1])  # [M, I]
-    rows = x2d.shape[0]
-    xq, x_scale = quantize_per_token(x2d)
-    if x.device.type == "cuda":  # cuBLAS int8 wants M > 16 and a multiple of 8
-        padded = max(32, -(-rows // 8) * 8)
-        xq = F.pad(xq, (0, 0, 0, padded - rows))
-    accumulated = torch._int_mm(xq, q.t())[:rows]  # [M, O] int32
-    out = accumulated.float().mul_(x_scale).mul_(scale[None, :])
-    return out.to(x.dtype).view(*x.shape[:-1], q.shape[0])
-
-
-KERNELS = {WEIGHT_ONLY: weight_only_linear, W8A8: w8a8_linear}
+ONEDNN, INT_MM = "onednn", "int_mm"
+W8A8_KERNELS = (ONEDNN, INT_MM)  # which library runs W8A8 on a CPU: chosen per machine by its probe (machine.py)
 
 
 class Int8Linear(nn.Module):
-    """A bias-free linear with int8 weights [O, I] and fp32 scales [O]: a drop-in for `nn.Linear`."""
+    """A bias-free linear with int8 weights [O, I] and fp32 scales [O]: a drop-in for `nn.Linear`.
 
-    def __init__(self, in_features: int, out_features: int, mode: str):
+    `outliers` > 0 (LLM.int8()'s decomposition): that many input channels, found by calibration, are
+    multiplied densely in high precision (`outlier_weight` [O, n] at `outlier_channels` [n]); the int8
+    weight holds zeros there and W8A8 quantizes the activations without them, so a few channels tens of
+    times larger than the rest do not coarsen every other channel's rounding. In W8A8 on a CPU with
+    oneDNN, the weight is packed into oneDNN's layout on the first forward (again if it is refilled).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        mode: str,
+        outliers: int = 0,
+        kernel: str = INT_MM,
+        dense_dtype: torch.dtype | None = None,
+    ):
         super().__init__()
         if mode not in INT8_MODES:
             raise ValueError(f"unknown int8 mode {mode!r}: use one of {', '.join(INT8_MODES)}")
-        self.in_features, self.out_features, self.mode = in_features, out_features, mode
+        if kernel not in W8A8_KERNELS:
+            raise ValueError(f"unknown W8A8 kernel {kernel!r}: use one of {', '.join(W8A8_KERNELS)}")
+        self.in_features, self.out_features, self.mode, self.kernel = in_features, out_features, mode, kernel
+        self.dense_dtype = dense_dtype  # weight-only: the dtype the dequantized product runs in (None: x's)
         self.register_buffer("weight", torch.empty(out_features, in_features, dtype=INT8))
         self.register_buffer("weight" + SCALE_SUFFIX, torch.empty(out_features, dtype=SCALE_DTYPE))
+        # Buffers either way (None: not in the state dict), so that a plain projection loads as before.
+        self.register_buffer(OUTLIER_CHANNELS, torch.empty(outliers, dtype=torch.long) if outliers else None)
+        self.register_buffer(OUTLIER_WEIGHT, torch.empty(out_features, outliers, dtype=OUTLIER_DTYPE) if outliers else None)
+        self._packed: torch.Tensor | None = None
+        self._packed_from: torch.Tensor | None = None  # the weight `_packed` was made from
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return KERNELS[self.mode](x, self.weight, self.weight_scale)
+        x2d = x.reshape(-1, self.in_features)  # [M, I]
+        if self.mode == WEIGHT_ONLY:
+            dense = x2d if self.dense_dtype is None else x2d.to(self.dense_dtype)
+            out = weight_only_linear(dense, self.weight, self.weight_scale).float()  # outlier columns of q are 0
+        elif self.kernel == ONEDNN and x.device.type == "cpu":
+            if self._packed_from is not self.weight:
+                self._packed, self._packed_from = onednn_pack(self.weight), self.weight
+                release_pages(self.weight)  # a bundle's mapped int8 pages: the packed copy is what runs
+            out = onednn_linear(x2d, self._packed, self.weight_scale, self.outlier_channels)
+        else:
+            out = int_mm_linear(x2d, self.weight, self.weight_scale, self.outlier_channels)
+        if self.outlier_channels is not None:
+            out.addmm_(x2d.index_select(1, self.outlier_channels).to(out.dtype), self.outlier_weight.t().to(out.dtype))
+        return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}"
+        kernel = f", kernel={self.kernel}" if self.mode == W8A8 else ""
+        outliers = f", outliers={len(self.outlier_channels)}" if self.outlier_channels is not None else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}{kernel}{outliers}"
 
 
-def replace_linears(module: nn.Module, mode: str, keep: tuple[str, ...] | None = None) -> list[str]:
-    """Swap every `nn.Linear` whose weight `is_quantized` for an `Int8Linear` (on the same device); returns their names."""
+def replace_linears(
+    module: nn.Module,
+    mode: str,
+    keep: tuple[str, ...] | None = None,
+    outliers: dict[str, int] | None = None,
+    kernel: str = INT_MM,
+    dense_dtype: torch.dtype | None = None,
+) -> list[str]:
+    """Swap every `nn.Linear` whose weight `is_quantized` for an `Int8Linear` (on the same device); returns their names.
+
+    `outliers`: linear name -> number of outlier channels its source holds (from a calibrated bundle).
+    Each linear runs in `int8_mode_of(name, mode)`; `kernel` and `dense_dtype` as in `Int8Linear`.
+    """
+    outliers = outliers or {}
     replaced = []
     for name, child in list(module.named_modules()):
         for child_name, linear in list(child.named_children()):
@@ -110,7 +206,15 @@ def replace_linears(module: nn.Module, mode: str, keep: tuple[str, ...] | None =
                 if linear.bias is not None:
                     raise ValueError(f"{full} has a bias: the int8 scheme covers bias-free projections only")
                 with torch.device(linear.weight.device):
-                    setattr(child, child_name, Int8Linear(linear.in_features, linear.out_features, mode))
+                    replacement = Int8Linear(
+                        linear.in_features,
+                        linear.out_features,
+                        int8_mode_of(full, mode),
+                        outliers=outliers.get(full, 0),
+                        kernel=kernel,
+                        dense_dtype=dense_dtype,
+                    )
+                setattr(child, child_name, replacement)
                 replaced.append(full)
     return replaced
 
@@ -118,42 +222,63 @@ def replace_linears(module: nn.Module, mode: str, keep: tuple[str, ...] | None =
 class QuantizingSource:
     """A tensor source seen through the scheme: `x.weight` becomes int8 and `x.weight_scale` appears.
 
-    The last quantized tensor is kept so that reading a weight and then its scale quantizes once.
+    `outliers` (weight name -> channel indices [n], from checkpoint/outliers.py): those columns of the
+    weight are zeroed before quantization and appear as `x.outlier_weight` [O, n] (fp32) beside
+    `x.outlier_channels` [n]. The last quantized tensor is kept so that reading a weight and then its
+    scale quantizes once.
     """
 
-    def __init__(self, source, keep: tuple[str, ...] | None = None, prefix: str = ""):
-        self.source, self.keep, self.prefix = source, keep, prefix
-        self._quantized = {
-            name for name in source.keys() if name.startswith(prefix) and is_quantized(name, source.shape(name), keep)
-        }
+    def __init__(self, source, keep: tuple[str, ...] | None = None, outliers: dict[str, torch.Tensor] | None = None):
+        self.source, self.keep, self.outliers = source, keep, outliers or {}
+        self._quantized = {name for name in source.keys() if is_quantized(name, source.shape(name), keep)}
+        unknown = sorted(set(self.outliers) - self._quantized)
+        if unknown:
+            raise ValueError(f"outlier channels given for tensors that are not quantized: {', '.join(unknown[:5])}")
+        # derived name -> (its weight, what it is)
+        self._derived = {name + SCALE_SUFFIX: (name, SCALE_SUFFIX) for name in self._quantized}
+        for name in self.outliers:
+            module = name.removesuffix("weight")
+            self._derived[module + OUTLIER_CHANNELS] = (name, OUTLIER_CHANNELS)
+            self._derived[module + OUTLIER_WEIGHT] = (name, OUTLIER_WEIGHT)
         self._last: tuple[str, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def keys(self) -> set[str]:
-        return set(self.source.keys()) | {name + SCALE_SUFFIX for name in self._quantized}
+        return set(self.source.keys()) | set(self._derived)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        if name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in self._quantized:
-            return (self.source.shape(name[: -len(SCALE_SUFFIX)])[0],)
-        return self.source.shape(name)
+        if name not in self._derived:
+            return self.source.shape(name)
+        weight, kind = self._derived[name]
+        out_features, count = self.source.shape(weight)[0], len(self.outliers.get(weight, ()))
+        return {SCALE_SUFFIX: (out_features,), OUTLIER_CHANNELS: (count,), OUTLIER_WEIGHT: (out_features, count)}[kind]
 
     def dtype(self, name: str) -> torch.dtype:
         if name in self._quantized:
             return INT8
-        if name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in self._quantized:
-            return SCALE_DTYPE
-        return self.source.dtype(name)
+        if name not in self._derived:
+            return self.source.dtype(name)
+        return {SCALE_SUFFIX: SCALE_DTYPE, OUTLIER_CHANNELS: torch.long, OUTLIER_WEIGHT: OUTLIER_DTYPE}[self._derived[name][1]]
 
     def _pair(self, weight_name: str) -> tuple[torch.Tensor, torch.Tensor]:
         if self._last is None or self._last[0] != weight_name:
-            self._last = (weight_name, quantize_per_channel(self.source.get(weight_name)))
+            weight = self.source.get(weight_name)
+            if weight_name in self.outliers:
+                weight = weight.float().index_fill(1, self.outliers[weight_name], 0.0)
+            self._last = (weight_name, quantize_per_channel(weight))
         return self._last[1]
 
     def get(self, name: str) -> torch.Tensor:
         if name in self._quantized:
             return self._pair(name)[0]
-        if name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in self._quantized:
-            return self._pair(name[: -len(SCALE_SUFFIX)])[1]
-        return self.source.get(name)
+        if name not in self._derived:
+            return self.source.get(name)
+        weight, kind = self._derived[name]
+        if kind == SCALE_SUFFIX:
+            return self._pair(weight)[1]
+        channels = self.outliers[weight]
+        if kind == OUTLIER_CHANNELS:
+            return channels.to(torch.long)
+        return self.source.get(weight).index_select(1, channels).to(OUTLIER_DTYPE)
 
     def quantized_names(self) -> Iterator[str]:
         return iter(sorted(self._quantized))

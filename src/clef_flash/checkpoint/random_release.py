@@ -91,6 +91,11 @@ class RandomConfig:
     head: HeadConfig
     vision: VisionConfig = field(default_factory=VisionConfig)
     mtp_layers: int = 1
+    # Activation outliers as trained LLMs have them (LLM.int8(), SmoothQuant): `outlier_channels` hidden
+    # channels scaled by `outlier_gain` through every layer's two (1+w) RMSNorm weights, so those channels
+    # of every projection's input are `outlier_gain` times the rest. 0: none.
+    outlier_channels: int = 0
+    outlier_gain: float = 1.0
 
     def __post_init__(self) -> None:
         if self.head.hidden_size != self.text.hidden_size:
@@ -133,6 +138,14 @@ RANDOM_CONFIGS: dict[str, RandomConfig] = {
         "9b-heads",
         _text(num_hidden_layers=4, hidden_size=256, intermediate_size=512),
         HeadConfig(hidden_size=256, width=64, routing_layers=2, layers=2, heads=4, feedforward=128),
+    ),
+    # 9b-heads with activation outliers: 3 hidden channels 50x the rest at every projection's input.
+    "9b-heads-outliers": RandomConfig(
+        "9b-heads-outliers",
+        _text(num_hidden_layers=4, hidden_size=256, intermediate_size=512),
+        HeadConfig(hidden_size=256, width=64, routing_layers=2, layers=2, heads=4, feedforward=128),
+        outlier_channels=3,
+        outlier_gain=50.0,
     ),
     # Full 9B layer sizes, 4 layers (one 3×DeltaNet + attention block; ~5.8 GB of bf16), the real head.
     "9b-part": RandomConfig("9b-part", _text(num_hidden_layers=4), _REAL_HEAD),
@@ -234,11 +247,13 @@ def release_config(
 @dataclass(frozen=True)
 class Init:
     """How a tensor is drawn. kind: normal(a=mean, b=std), log_uniform (log U(a, b)),
-    dt_bias (inverse softplus of a log-uniform dt in [a, b]) or constant (a)."""
+    dt_bias (inverse softplus of a log-uniform dt in [a, b]), constant (a), or norm_outliers (a (1+w)
+    norm offset N(0, a) whose c evenly spaced channels are b - 1, so that (1+w) scales them by b)."""
 
     kind: str
     a: float = 0.0
     b: float = 0.0
+    c: int = 0
 
     @staticmethod
     def normal(std: float, mean: float = 0.0) -> Init:
@@ -265,7 +280,9 @@ def _linear(name: str, out_features: int, in_features: int, gain: float = 1.0) -
     return TensorSpec(name, (out_features, in_features), Init.normal(gain / math.sqrt(in_features)))
 
 
-def _decoder_layer(prefix: str, text: TextConfig, layer_type: str, residual_gain: float) -> list[TensorSpec]:
+def _decoder_layer(
+    prefix: str, text: TextConfig, layer_type: str, residual_gain: float, layer_norm: Init = NORM_OFFSET
+) -> list[TensorSpec]:
     """One decoder layer, keys in the order of transformers' state_dict."""
     d = text.hidden_size
     specs: list[TensorSpec] = []
@@ -304,8 +321,8 @@ def _decoder_layer(prefix: str, text: TextConfig, layer_type: str, residual_gain
         _linear(f"{prefix}.mlp.gate_proj.weight", text.intermediate_size, d),
         _linear(f"{prefix}.mlp.up_proj.weight", text.intermediate_size, d),
         _linear(f"{prefix}.mlp.down_proj.weight", d, text.intermediate_size, residual_gain),
-        TensorSpec(f"{prefix}.input_layernorm.weight", (d,), NORM_OFFSET),
-        TensorSpec(f"{prefix}.post_attention_layernorm.weight", (d,), NORM_OFFSET),
+        TensorSpec(f"{prefix}.input_layernorm.weight", (d,), layer_norm),
+        TensorSpec(f"{prefix}.post_attention_layernorm.weight", (d,), layer_norm),
     ]
     return specs
 
@@ -361,8 +378,11 @@ def tensor_table(config: str | RandomConfig, *, mtp: bool = True) -> list[Tensor
     specs = _vision_tower(config.vision, d)
     # Unit-variance input embeddings: the residual stream starts O(1), like the layers' outputs.
     specs.append(TensorSpec("model.language_model.embed_tokens.weight", (text.vocab_size, d), Init.normal(1.0)))
+    layer_norm = NORM_OFFSET
+    if config.outlier_channels:
+        layer_norm = Init("norm_outliers", NORM_OFFSET.b, config.outlier_gain, config.outlier_channels)
     for index, layer_type in enumerate(text.layer_types):
-        specs += _decoder_layer(f"model.language_model.layers.{index}", text, layer_type, residual_gain)
+        specs += _decoder_layer(f"model.language_model.layers.{index}", text, layer_type, residual_gain, layer_norm)
     specs.append(TensorSpec("model.language_model.norm.weight", (d,), NORM_OFFSET))
     # Output embeddings N(0, 1/D): logits of a unit hidden state are O(1); the head reads these rows raw.
     specs.append(TensorSpec("lm_head.weight", (text.vocab_size, d), Init.normal(1 / math.sqrt(d))))
@@ -468,11 +488,19 @@ def draw_chunks(spec: TensorSpec, seed: int, dtype: torch.dtype) -> Iterator[tor
             low, high = math.log(init.a), math.log(init.b)
             dt = torch.rand(count, generator=generator, dtype=FP64).mul_(high - low).add_(low).exp_()
             values = (dt + torch.log(-torch.expm1(-dt))).float()  # softplus(dt_bias) == dt
+        elif init.kind == "norm_outliers":
+            values = torch.randn(count, generator=generator).mul_(init.a)
+            values[outlier_channels(spec.numel, init.c)] = init.b - 1.0  # a norm is one chunk: start == 0
         elif init.kind == "constant":
             values = torch.full((count,), init.a)
         else:
             raise ValueError(f"unknown init kind {init.kind!r} for {spec.name}")
         yield values.to(dtype)
+
+
+def outlier_channels(width: int, count: int) -> list[int]:
+    """The channels a norm_outliers init scales: `count` of `width`, evenly spaced, none at the edges."""
+    return [int((index + 0.5) * width / count) for index in range(count)]
 
 
 def draw_tensor(spec: TensorSpec, seed: int = 0, dtype: torch.dtype = FP32) -> torch.Tensor:

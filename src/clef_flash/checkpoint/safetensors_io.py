@@ -13,10 +13,15 @@
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import hashlib
 import json
+import mmap
 import os
 import struct
+import sys
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -170,6 +175,34 @@ class SafetensorsFiles:
         return self._handles[self._location[name]].get_tensor(name)
 
 
+_MAPPED: dict[int, tuple[int, weakref.ref]] = {}  # start -> (end, the map) of every live MappedSafetensors
+
+
+def release_pages(tensor: torch.Tensor) -> bool:
+    """Give back the resident pages of a tensor that views a file map (they are clean: read again if touched).
+
+    For a weight copied elsewhere (oneDNN's packed layout): without this, every page the copy read would
+    stay in the process's resident set beside the copy. Does nothing (False) for any other tensor.
+    """
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    if not any(low <= start and end <= high and alive() is not None for low, (high, alive) in list(_MAPPED.items())):
+        return False
+    page = mmap.PAGESIZE
+    first, last = -(-start // page) * page, end // page * page  # whole pages inside the tensor only
+    if last > first:
+        _libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), MADV_DONTNEED)
+    return True
+
+
+@functools.lru_cache(maxsize=1)
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+MADV_DONTNEED = 4  # Linux
+
+
 class MappedSafetensors:
     """Tensors of one safetensors file as views of a single private memory map (no copy, read lazily)."""
 
@@ -183,6 +216,9 @@ class MappedSafetensors:
         self._entries = header
         self._data_start = data_start
         self._bytes = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
+        if size and sys.platform == "linux":
+            base = self._bytes.data_ptr()
+            _MAPPED[base] = (base + size, weakref.ref(self._bytes, lambda _, base=base: _MAPPED.pop(base, None)))
 
     def keys(self) -> set[str]:
         return set(self._entries)

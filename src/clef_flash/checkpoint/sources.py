@@ -71,6 +71,11 @@ class Checkpoint:
         return Tokenizer.from_file(self.tokenizer_file)
 
     @property
+    def calibrated(self) -> bool:
+        """A bundle converted with calibration: its projections' outlier channels are kept apart."""
+        return bool(self.manifest and self.manifest.get("scheme", {}).get("outliers"))
+
+    @property
     def fingerprint(self) -> str:
         """SHA-256 of the canonical JSON of config.json."""
         return config_fingerprint(self.config)

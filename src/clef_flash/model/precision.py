@@ -17,7 +17,10 @@ int8. A new precision is one row in `PRECISIONS` (and, for a new int8 mode, a ke
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -30,11 +33,20 @@ INT8_MODES = (WEIGHT_ONLY, W8A8)
 DEFAULT_INT8_MODE = WEIGHT_ONLY
 SCALE_SUFFIX = "_scale"  # `x.weight` (int8) is stored beside `x.weight_scale` (fp32 [out])
 SCALE_DTYPE = FP32
+# Calibrated outlier channels of a projection (checkpoint/outliers.py): their indices [n] and the weight's
+# columns there [O, n], multiplied densely in fp32 beside the int8 product.
+OUTLIER_CHANNELS, OUTLIER_WEIGHT = "outlier_channels", "outlier_weight"
+OUTLIER_DTYPE = FP32
 # The DeltaNet gate projections are tiny (hidden -> value heads) and feed a sigmoid and a softplus
 # exponent: measured both ways (benchmarks/agreement.py), they stay 16-bit.
 KEPT_HIGH_PRECISION = ("in_proj_a.weight", "in_proj_b.weight")
 # The DeltaNet decay parameters are held in at least fp32, whatever the compute dtype (as transformers).
 HIGH_PRECISION_PARAMETERS = ("A_log", "dt_bias")
+# In W8A8, the projections that read a gated product (the MLP's down_proj, the DeltaNet's out_proj,
+# attention's o_proj) keep int8 weights but 16/32-bit activations: their inputs are heavy-tailed per
+# token, and per-token int8 there cost 1.5-2.5e-2 relative error each on the outlier release, 4 decisions
+# of 75 where weight-only there gives 1 (benchmarks/agreement.py). They are a quarter to a third of the FLOPs.
+W8A8_WEIGHT_ONLY = ("down_proj", "out_proj", "o_proj")
 HEAD_DTYPE = FP32
 BUNDLE_EMBEDDING_DTYPE = BF16  # input and output embeddings in an 8-bit bundle
 
@@ -46,6 +58,13 @@ def is_quantized(name: str, shape: tuple[int, ...], keep: tuple[str, ...] | None
     projection = module.rpartition(".")[2]  # q_proj, down_proj, in_proj_qkv, in_proj_z, out_proj, ...
     is_projection = projection.endswith("_proj") or projection.startswith("in_proj_")
     return leaf == "weight" and is_projection and len(shape) == 2 and not name.endswith(keep)
+
+
+def int8_mode_of(linear_name: str, mode: str) -> str:
+    """The int8 mode one projection runs in under `mode` (W8A8 keeps W8A8_WEIGHT_ONLY weight-only)."""
+    if mode == W8A8 and linear_name.rpartition(".")[2] in W8A8_WEIGHT_ONLY:
+        return WEIGHT_ONLY
+    return mode
 
 
 def is_scale(name: str) -> bool:
@@ -78,9 +97,11 @@ class Precision:
 
     def dtype_of(self, name: str, stored: torch.dtype) -> torch.dtype:
         """The dtype a decoder tensor (name relative to the decoder) is held in, given how it is stored."""
-        if stored == INT8:
-            return INT8
         leaf = name.rsplit(".", 1)[-1]
+        if stored == INT8 or leaf == OUTLIER_CHANNELS:
+            return stored  # int8 weights, int64 indices
+        if leaf == OUTLIER_WEIGHT:
+            return OUTLIER_DTYPE
         if is_scale(leaf):
             return SCALE_DTYPE
         if leaf in HIGH_PRECISION_PARAMETERS:
@@ -116,6 +137,8 @@ def storage_dtype_of(name: str, shape: tuple[int, ...], stored: torch.dtype, *, 
         return BUNDLE_EMBEDDING_DTYPE
     if is_quantized(name, shape):
         return INT8
+    if name.endswith(OUTLIER_WEIGHT):
+        return OUTLIER_DTYPE
     return SCALE_DTYPE if is_scale(name) else stored
 
 
@@ -142,20 +165,81 @@ def parse_precision(text: str) -> Precision:
     return PRECISIONS[name]
 
 
-def default_precision(*, stored_int8: bool) -> Precision:
-    """The precision `load(precision=None)` runs: the release's own bf16, or int8 for an 8-bit bundle."""
-    if stored_int8:
-        return PRECISIONS[ALIASES["int8"]].with_reason("an 8-bit bundle's default")
-    return PRECISIONS["bf16"].with_reason("the release's own dtype")
+# -- the default: the fastest qualified path on this machine -------------------------------------------
+
+# Qualified: agrees with fp32 at least as well as the reference's own bf16 path (no more decisions
+# differing, median |dp| at most 2x its) on the plain and the outlier-injected random releases
+# (benchmarks/agreement.py; README "Numbers"). Per-token W8A8 without calibrated outlier channels fails on outliers.
+QUALIFIED_RELEASE = ("fp32", "bf16")
+QUALIFIED_BUNDLE = ("int8-weight-only",)
+QUALIFIED_CALIBRATED_BUNDLE = ("int8-w8a8", "int8-weight-only")
+W8A8_INT8_SHARE = 0.69  # of a 9B layer block's projection FLOPs, those W8A8 runs in int8 (the rest: W8A8_WEIGHT_ONLY)
+WEIGHT_ONLY_OVERHEAD = 1.15  # dequantizing tiles costs ~15% over the fp32 product it feeds (measured)
+ENVIRONMENT = "CLEF_FLASH_PRECISION"
 
 
-def resolve_precision(requested: str | None, device: torch.device, *, stored_int8: bool) -> Precision:
-    """The precision to run: `requested` (None: the default), checked against what the checkpoint stores."""
-    precision = default_precision(stored_int8=stored_int8) if requested is None else parse_precision(requested)
+class Rates(Protocol):
+    """The probe's figures (machine.Rates): G(FL)OP/s of one decoder-sized product."""
+
+    fp32: float
+    bf16: float
+    int8: float
+    int8_kernel: str
+
+
+def dense_dtype_for(rates: Rates) -> torch.dtype:
+    """W8A8's weight-only projections run in bf16 where the CPU multiplies bf16 fast (AMX, AVX-512 BF16)."""
+    return BF16 if rates.bf16 > 2 * rates.fp32 else FP32
+
+
+def qualified(*, stored_int8: bool, calibrated: bool) -> tuple[str, ...]:
+    if not stored_int8:
+        return QUALIFIED_RELEASE
+    return QUALIFIED_CALIBRATED_BUNDLE if calibrated else QUALIFIED_BUNDLE
+
+
+def choose_precision(device: torch.device, *, stored_int8: bool, calibrated: bool, rates: Callable[[], Rates]) -> Precision:
+    """The fastest qualified precision: on CUDA bf16 (or an 8-bit bundle's weight-only); on a CPU by the probe."""
+    candidates = qualified(stored_int8=stored_int8, calibrated=calibrated)
+    if device.type != "cpu":
+        name = "bf16" if not stored_int8 else "int8-weight-only"
+        return PRECISIONS[name].with_reason(f"on {device.type}: {name} until an 8-bit path qualifies there")
+    measured = rates()
+    rate = {
+        "fp32": measured.fp32,
+        "bf16": measured.bf16,
+        # int8 for the int8 share of the FLOPs, the dense product (bf16 or fp32) for W8A8_WEIGHT_ONLY
+        "int8-w8a8": 1 / (W8A8_INT8_SHARE / measured.int8 + (1 - W8A8_INT8_SHARE) / max(measured.fp32, measured.bf16)),
+        "int8-weight-only": measured.fp32 / WEIGHT_ONLY_OVERHEAD,
+    }
+    best = max(candidates, key=lambda name: (rate[name], -candidates.index(name)))
+    figures = ", ".join(f"{name} {rate[name]:.0f}" for name in candidates)
+    kernel = f" ({measured.int8_kernel})" if best == "int8-w8a8" else ""
+    return PRECISIONS[best].with_reason(f"fastest qualified on this CPU{kernel}; probe G(FL)OP/s: {figures}")
+
+
+def resolve_precision(
+    requested: str | None,
+    device: torch.device,
+    *,
+    stored_int8: bool,
+    calibrated: bool = False,
+    rates: Callable[[], Rates] | None = None,
+) -> Precision:
+    """The precision to run: `requested`, else $CLEF_FLASH_PRECISION, else the fastest qualified one
+    (`rates` gives the machine's probe), checked against what the checkpoint stores."""
+    if requested is None and os.environ.get(ENVIRONMENT):
+        precision = parse_precision(os.environ[ENVIRONMENT]).with_reason(f"${ENVIRONMENT}")
+    elif requested is None:
+        if rates is None:
+            raise ValueError("choosing a precision needs the machine's rates")
+        precision = choose_precision(device, stored_int8=stored_int8, calibrated=calibrated, rates=rates)
+    else:
+        precision = parse_precision(requested)
     if stored_int8 and not precision.quantized:
         int8_names = [name for name, value in PRECISIONS.items() if value.quantized]
         raise ValueError(
             f"is an 8-bit bundle: use precision int8 (or {', '.join(int8_names)}); "
-            f"for {requested}, load the release it was converted from"
+            f"for {precision.name}, load the release it was converted from"
         )
     return precision.on(device)

@@ -1,0 +1,92 @@
+"""Converting a release into an 8-bit bundle, calibrated: the Python API behind `clef-flash convert`.
+
+    convert(source, destination)                          built-in calibration requests
+    convert(source, destination, calibrate="req.jsonl")   the user's requests (JSONL, one per line)
+    convert(source, destination, calibrate=None)          no calibration (plain per-token W8A8)
+
+Calibration loads the release in fp32 (at most 4 decoder layers resident when it would not fit in
+half the memory), runs the requests through it recording each projection's per-channel activation
+absmax (checkpoint/outliers.py), frees it, then streams the conversion (checkpoint/bundle.py).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+from .checkpoint import bundle
+from .checkpoint.outliers import calibrate as calibrate_model
+from .checkpoint.outliers import default_calibration_requests
+from .errors import ClefError
+
+BUILT_IN = "built-in"
+FP32_BYTES_PER_PARAMETER = 4
+
+
+def convert(
+    source: str | os.PathLike[str],
+    destination: str | os.PathLike[str],
+    *,
+    calibrate: str | os.PathLike[str] | Sequence[Any] | None = BUILT_IN,
+    revision: str | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> Path:
+    """Convert `source` to a bundle at `destination`; `calibrate`: "built-in", a JSONL path, requests, or None."""
+    calibration, described = None, None
+    if calibrate is not None:
+        requests, described = _calibration_requests(calibrate)
+        calibration = _calibrate(source, revision, requests)
+    return bundle.convert(
+        source,
+        destination,
+        revision=revision,
+        overwrite=overwrite,
+        progress=progress,
+        calibration=calibration,
+        calibration_source=described,
+    )
+
+
+def _calibration_requests(calibrate: str | os.PathLike[str] | Sequence[Any]) -> tuple[list[Any], str]:
+    if isinstance(calibrate, (str, os.PathLike)):
+        if os.fspath(calibrate) == BUILT_IN:
+            requests = default_calibration_requests()
+            return requests, f"{BUILT_IN} ({len(requests)} generated requests)"
+        from .batch import read_jsonl
+        from .checkpoint.safetensors_io import sha256_of
+
+        path = Path(calibrate)
+        requests = [request for _, request in read_jsonl(path)]
+        return requests, f"{path.name} (sha256 {sha256_of(path)})"
+    return list(calibrate), f"{len(calibrate)} requests given"
+
+
+def _calibrate(source, revision, requests: Sequence[Any]):
+    from .checkpoint import open_checkpoint
+    from .engine import load
+
+    if not requests:
+        raise ClefError("calibration needs at least one request")
+    checkpoint = open_checkpoint(source, revision=revision)
+    parameters = sum(_numel(checkpoint.tensors.shape(name)) for name in checkpoint.tensors.keys())
+    resident = 4 if parameters * FP32_BYTES_PER_PARAMETER > _memory_bytes() // 2 else None
+    model = load(source, device="cpu", precision="fp32", revision=revision, resident_layers=resident)
+    try:
+        return calibrate_model(model, requests)
+    finally:
+        del model
+        gc.collect()
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def _memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

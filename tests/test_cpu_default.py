@@ -1,0 +1,237 @@
+"""The per-machine default precision, the W8A8 kernels, and calibrated outlier channels (issue: fast by default)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import clef_flash
+from clef_flash import machine
+from clef_flash.checkpoint.outliers import calibrate, default_calibration_requests, find_outliers, outlier_ratios
+from clef_flash.checkpoint.quant import (
+    INT_MM,
+    ONEDNN,
+    Int8Linear,
+    QuantizingSource,
+    int_mm_linear,
+    onednn_available,
+    onednn_linear,
+    onednn_pack,
+    quantize_per_channel,
+)
+from clef_flash.checkpoint.random_release import outlier_channels, write_random_release
+from clef_flash.cli import main
+from clef_flash.conversion import convert
+from clef_flash.model.precision import (
+    PRECISION_CHOICES,
+    QUALIFIED_RELEASE,
+    choose_precision,
+    qualified,
+    resolve_precision,
+)
+from clef_flash.request.samples import random_requests
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+CPU = torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class FakeRates:
+    fp32: float
+    bf16: float
+    int8: float
+    int8_kernel: str = INT_MM
+
+
+# -- the choice ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("rates", "stored_int8", "calibrated", "expected"),
+    [
+        (FakeRates(fp32=60, bf16=12, int8=2), False, False, "fp32"),  # AVX2 only: bf16 emulated
+        (FakeRates(fp32=130, bf16=400, int8=750), False, False, "bf16"),  # a release never picks int8
+        (FakeRates(fp32=130, bf16=400, int8=750), True, True, "int8-w8a8"),  # a calibrated bundle on VNNI
+        (FakeRates(fp32=60, bf16=12, int8=2), True, True, "int8-weight-only"),  # ... on AVX2 only
+        (FakeRates(fp32=130, bf16=400, int8=750), True, False, "int8-weight-only"),  # uncalibrated: W8A8 unqualified
+    ],
+)
+def test_the_default_is_the_fastest_qualified_path(rates, stored_int8, calibrated, expected):
+    chosen = choose_precision(CPU, stored_int8=stored_int8, calibrated=calibrated, rates=lambda: rates)
+    assert chosen.name == expected and chosen.name in qualified(stored_int8=stored_int8, calibrated=calibrated)
+    assert "fastest qualified" in chosen.reason
+
+
+def test_cuda_defaults_to_bf16_and_the_environment_overrides(monkeypatch):
+    never = lambda: pytest.fail("no probe on CUDA")  # noqa: E731
+    cuda = torch.device("cuda")
+    assert choose_precision(cuda, stored_int8=False, calibrated=False, rates=never).compute_dtype == torch.bfloat16
+    monkeypatch.setenv("CLEF_FLASH_PRECISION", "fp32")
+    chosen = resolve_precision(None, CPU, stored_int8=False, rates=never)
+    assert chosen.name == "fp32" and chosen.reason == "$CLEF_FLASH_PRECISION"
+
+
+def test_load_picks_a_path_that_exists_here_and_says_why(tiny_dir, monkeypatch):
+    monkeypatch.delenv("CLEF_FLASH_PRECISION", raising=False)
+    model = clef_flash.load(tiny_dir, device="cpu")
+    assert model.precision in QUALIFIED_RELEASE and "probe" in model.precision_policy.reason
+    expected = choose_precision(CPU, stored_int8=False, calibrated=False, rates=machine.rates)
+    assert model.precision == expected.name  # deterministic: the probe is cached per machine
+    answer = model.answer({"state": "Charged twice", "questions": {"refund": {"type": "noul"}}})
+    assert 0 <= answer["answers"]["refund"]["noul"] <= 1
+
+
+def test_probe_is_measured_once_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("CLEF_FLASH_CACHE", str(tmp_path))
+    machine.rates.cache_clear()
+    here = machine.this_machine()
+    try:
+        first = machine.rates(here)
+        assert machine.probe_path(here).is_file() and first.fp32 > 0 and first.bf16 > 0
+        assert first.int8_kernel in (ONEDNN, INT_MM) and first.int8 > 0
+        machine.rates.cache_clear()
+        assert machine.rates(here) == first  # read back, not measured again
+    finally:
+        machine.rates.cache_clear()
+
+
+def test_info_command(capsys):
+    assert main(["info", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["machine"]["threads"] >= 1 and report["probe"]["int8_kernel"] in (ONEDNN, INT_MM)
+    assert set(report["default_precision"]) == {"release", "calibrated bundle", "uncalibrated bundle"}
+    assert main(["info"]) == 0
+    assert "default      release:" in capsys.readouterr().out
+
+
+# -- kernels ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not onednn_available(), reason="no oneDNN in this torch build")
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_onednn_w8a8_equals_int_mm(rows):
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=generator)
+    q, scale = quantize_per_channel(torch.randn(40, 96, generator=generator))
+    channels = torch.tensor([3, 50])
+    for outliers in (None, channels):
+        expected = int_mm_linear(x, q, scale, outliers)
+        got = onednn_linear(x, onednn_pack(q), scale, outliers)
+        error = ((got - expected).abs().max() / expected.abs().max()).item()
+        print(f"rows {rows}, outliers {outliers is not None}: onednn vs _int_mm max rel {error:.1e}")
+        assert error < 1e-6  # the same int32 sums, scaled in another order
+
+
+@pytest.mark.parametrize("precision", [name for name in PRECISION_CHOICES if name.startswith("int8")])
+def test_forced_precisions_run_everywhere(tiny_dir, precision):
+    model = clef_flash.load(tiny_dir, device="cpu", precision=precision)
+    assert model.precision.startswith("int8")
+    assert set(model.logits({"state": "hi", "questions": {"u": {"type": "noul"}}})["u"]) == {"true", "false"}
+
+
+def test_outlier_channels_are_exact_and_spare_the_int8_rounding():
+    """A channel 50x the others: decomposed W8A8 keeps its error near the plain per-token error of the rest."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 128, generator=generator)
+    x[:, [10, 90]] *= 50
+    weight = torch.randn(64, 128, generator=generator) / 128**0.5
+    exact = x @ weight.t()
+    channels = torch.tensor([10, 90])
+    source = QuantizingSource(_Tensors({"mlp.up_proj.weight": weight}), outliers={"mlp.up_proj.weight": channels})
+    assert source.keys() == {f"mlp.up_proj.{leaf}" for leaf in ("weight", "weight_scale", "outlier_channels", "outlier_weight")}
+    assert source.shape("mlp.up_proj.outlier_weight") == (64, 2) and torch.equal(source.get("mlp.up_proj.outlier_channels"), channels)
+    assert torch.equal(source.get("mlp.up_proj.outlier_weight"), weight[:, channels])
+    assert not source.get("mlp.up_proj.weight")[:, channels].any()
+    errors = {}
+    for kernel in [INT_MM] + ([ONEDNN] if onednn_available() else []):
+        for outliers in (0, 2):
+            linear = Int8Linear(128, 64, "w8a8", outliers=outliers, kernel=kernel)
+            plain = QuantizingSource(_Tensors({"mlp.up_proj.weight": weight}))
+            chosen = source if outliers else plain
+            linear.load_state_dict({name.removeprefix("mlp.up_proj."): chosen.get(name) for name in chosen.keys()})
+            errors[kernel, outliers] = ((linear(x) - exact).abs().max() / exact.abs().max()).item()
+    print(errors)
+    for kernel in {kernel for kernel, _ in errors}:
+        assert errors[kernel, 2] < errors[kernel, 0] / 5
+
+
+class _Tensors:
+    def __init__(self, tensors):
+        self.tensors = tensors
+
+    def keys(self):
+        return set(self.tensors)
+
+    def shape(self, name):
+        return tuple(self.tensors[name].shape)
+
+    def dtype(self, name):
+        return self.tensors[name].dtype
+
+    def get(self, name):
+        return self.tensors[name]
+
+
+# -- calibration, the outlier release, agreement --------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def outlier_release(tmp_path_factory):
+    return write_random_release(tmp_path_factory.mktemp("outliers") / "release", "9b-heads-outliers", seed=1)
+
+
+@pytest.fixture(scope="module")
+def calibrated_bundle(outlier_release, tmp_path_factory):
+    return convert(outlier_release, tmp_path_factory.mktemp("outliers") / "bundle", progress=False)
+
+
+def test_the_outlier_release_has_outliers(outlier_release, tiny_dir):
+    fp32 = clef_flash.load(outlier_release, device="cpu", precision="fp32")
+    ratios = outlier_ratios(calibrate(fp32, default_calibration_requests(4)))
+    plain = outlier_ratios(calibrate(clef_flash.load(tiny_dir, device="cpu", precision="fp32"), default_calibration_requests(4)))
+    print(f"largest / median channel absmax: outliers median {statistics.median(ratios.values()):.1f}, "
+          f"plain median {statistics.median(plain.values()):.1f}")
+    assert statistics.median(ratios.values()) > 20 > 5 > statistics.median(plain.values())
+
+
+def test_calibration_round_trips_through_the_manifest(calibrated_bundle, outlier_release):
+    manifest = json.loads((calibrated_bundle / "manifest.json").read_text())
+    recorded = manifest["scheme"]["outliers"]
+    assert recorded["projections"] > 0 and recorded["calibration"]["records"] == 16
+    model = clef_flash.load(calibrated_bundle, device="cpu")
+    assert model.checkpoint.calibrated and model.precision in qualified(stored_int8=True, calibrated=True)
+    layer = model.parts.decoder.layers[0].mlp.gate_proj
+    injected = outlier_channels(256, 3)  # the hidden channels the release scales by 50
+    assert set(injected) <= set(layer.outlier_channels.tolist())
+    fp32 = clef_flash.load(outlier_release, device="cpu", precision="fp32")
+    again = find_outliers(calibrate(fp32, default_calibration_requests()))
+    assert torch.equal(again["model.language_model.layers.0.mlp.gate_proj.weight"], layer.outlier_channels)
+    uncalibrated = convert(outlier_release, calibrated_bundle.parent / "plain", calibrate=None, progress=False)
+    assert json.loads((uncalibrated / "manifest.json").read_text())["scheme"]["outliers"] is None
+    assert clef_flash.load(uncalibrated, device="cpu").precision == "int8-weight-only"
+
+
+def test_calibrated_w8a8_agrees_on_the_outlier_release(calibrated_bundle, outlier_release):
+    """Against our fp32, on requests the calibration never saw: calibrated W8A8 keeps close, plain W8A8 does not."""
+    fp32 = clef_flash.load(outlier_release, device="cpu", precision="fp32")
+    paths = {
+        "calibrated": clef_flash.load(calibrated_bundle, device="cpu", precision="int8-w8a8"),
+        "plain": clef_flash.load(outlier_release, device="cpu", precision="int8-w8a8"),
+    }
+    deltas = {name: [] for name in paths}
+    flips = {name: 0 for name in paths}
+    for request in random_requests(5, 8):
+        truth = fp32.probabilities(request)
+        for name, model in paths.items():
+            for question_id, probabilities in model.probabilities(request).items():
+                p, q = truth[question_id], probabilities
+                deltas[name] += [abs(q[option] - p[option]) for option in p]
+                flips[name] += max(p, key=p.get) != max(q, key=q.get)
+    medians = {name: statistics.median(values) for name, values in deltas.items()}
+    print(f"median |dp| vs fp32: {medians}; decisions differing: {flips}")
+    assert medians["calibrated"] < medians["plain"] / 2
+    assert flips["calibrated"] <= flips["plain"]
