@@ -6,7 +6,7 @@ Writes `DIR/release-9b` (32 layers, hidden 4096, vocabulary 248,320: about 19 GB
 committed) unless it is there, converts it to `DIR/bundle-9b` as `clef-flash convert` does (calibrated on
 the built-in requests) unless it is there, then in a fresh process loads the bundle and answers one
 ~370-token, 3-question record three times (the first reads the weights from disk and packs them for this
-CPU; the median of the other two is the warm figure). Each step runs in its own process, so each peak
+CPU; the faster of the other two is the warm figure, both are printed). Each step runs in its own process, so each peak
 RSS is its own.
 """
 
@@ -35,7 +35,8 @@ def run_step(code: str) -> tuple[dict, float, float]:
     if result.returncode:
         sys.exit(f"step failed:\n{result.stderr[-3000:]}")
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    # ru_maxrss of children is the largest child so far; steps run in increasing order of interest
+    # ru_maxrss of children is the largest child so far: a later step smaller than an earlier one reports
+    # its own peak itself
     return json.loads(result.stdout.strip().splitlines()[-1]), wall, max(peak, before) / 1024**2
 
 
@@ -78,9 +79,9 @@ def main() -> None:
               f"(release {directory_gb(release):.2f} GB)", flush=True)
     precision = None if args.precision == "default" else args.precision
 
-    answer, _, answer_rss = run_step(
+    answer, _, _ = run_step(
         f"""
-        import json, sys, time
+        import json, resource, sys, time
         sys.path.insert(0, "benchmarks")
         start = time.perf_counter()
         import clef_flash
@@ -95,6 +96,7 @@ def main() -> None:
             times.append(time.perf_counter() - begin)
         print(json.dumps({{"ready_s": ready, "first_s": times[0], "warm_s": sorted(times[1:])[0],
                           "warm_all_s": times[1:], "precision": model.precision, "why": model.precision_policy.reason,
+                          "own_peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2,
                           "tokens": model.last_timings.tokens, "timings": model.last_timings.as_dict()}}))
         """
     )
@@ -102,7 +104,7 @@ def main() -> None:
         f"{answer['precision']} ({answer['why']}): load until ready {answer['ready_s']:.2f} s; "
         f"{answer['tokens']}-token record: first answer {answer['first_s']:.1f} s (weights read and packed), "
         f"warm {answer['warm_s']:.2f} s (runs {', '.join(f'{s:.2f}' for s in answer['warm_all_s'])}); "
-        f"peak RSS {answer_rss:.2f} GB"
+        f"peak RSS {answer['own_peak_rss_gb']:.2f} GB"
     )
     print(f"  last answer by stage: {answer['timings']}")
 

@@ -4,9 +4,9 @@
     convert(source, destination, calibrate="req.jsonl")   the user's requests (JSONL, one per line)
     convert(source, destination, calibrate=None)          no calibration (plain per-token W8A8)
 
-Calibration loads the release in fp32 (at most 4 decoder layers resident when it would not fit in
-half the memory), runs the requests through it recording each projection's per-channel activation
-absmax (checkpoint/outliers.py), frees it, then streams the conversion (checkpoint/bundle.py).
+Calibration loads the release in this machine's default precision for a release (bf16 or fp32, see
+`clef-flash info`; at most 4 decoder layers resident when it would not fit in half the memory), runs the
+requests through it one at a time recording each projection's per-channel activation absmax (checkpoint/outliers.py), frees it, then streams the conversion (checkpoint/bundle.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from .checkpoint.outliers import default_calibration_requests
 from .errors import ClefError
 
 BUILT_IN = "built-in"
-FP32_BYTES_PER_PARAMETER = 4
 
 
 def convert(
@@ -66,14 +65,15 @@ def _calibration_requests(calibrate: str | os.PathLike[str] | Sequence[Any]) -> 
 
 def _calibrate(source, revision, requests: Sequence[Any]):
     from .checkpoint import open_checkpoint
-    from .engine import load
+    from .engine import load, pick_device, precision_for
 
     if not requests:
         raise ClefError("calibration needs at least one request")
     checkpoint = open_checkpoint(source, revision=revision)
+    precision = precision_for(checkpoint, pick_device("cpu"), None)  # the release's default here: bf16 or fp32
     parameters = sum(_numel(checkpoint.tensors.shape(name)) for name in checkpoint.tensors.keys())
-    resident = 4 if parameters * FP32_BYTES_PER_PARAMETER > _memory_bytes() // 2 else None
-    model = load(source, device="cpu", precision="fp32", revision=revision, resident_layers=resident)
+    resident = 4 if parameters * precision.compute_dtype.itemsize > _memory_bytes() // 2 else None
+    model = load(source, device="cpu", precision=precision.name, revision=revision, resident_layers=resident)
     try:
         return calibrate_model(model, requests)
     finally:
