@@ -286,8 +286,9 @@ def load(
     """Load a model: a release or bundle directory, a Hugging Face repo id, "tiny" (a generated random
     release) or "random:NAME[:SEED]" (random weights drawn in memory; names in RANDOM_CONFIGS).
 
-    `precision` (model/precision.py): fp32, bf16, fp64, int8 (= int8-weight-only) or int8-w8a8; None: the
-    default for the checkpoint. A bundle (`clef-flash convert`) is int8 and memory-mapped; `verify` checks
+    `precision` (model/precision.py): fp32, bf16, fp64, int8 (= int8-weight-only) or int8-w8a8; None:
+    $CLEF_FLASH_PRECISION, else the fastest path qualified for this checkpoint on this machine (`Clef.precision`
+    and `Clef.precision_policy.reason` say which and why; `clef-flash info`). A bundle (`clef-flash convert`) is int8 and memory-mapped; `verify` checks
     its files' sha256 first. A release loads in any precision (int8: quantized while loading).
     `resident_layers` (low-memory mode): at most that many decoder layers hold weights at once, each
     filled from the memory-mapped files just before it runs (slower: every forward reads every layer).
