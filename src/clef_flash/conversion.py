@@ -12,6 +12,7 @@ requests through it one at a time recording each projection's per-channel activa
 from __future__ import annotations
 
 import gc
+import math
 import os
 from pathlib import Path
 from typing import Any, Sequence
@@ -71,7 +72,7 @@ def _calibrate(source, revision, requests: Sequence[Any]):
         raise ClefError("calibration needs at least one request")
     checkpoint = open_checkpoint(source, revision=revision)
     precision = precision_for(checkpoint, pick_device("cpu"), None)  # the release's default here: bf16 or fp32
-    parameters = sum(_numel(checkpoint.tensors.shape(name)) for name in checkpoint.tensors.keys())
+    parameters = sum(math.prod(checkpoint.tensors.shape(name)) for name in checkpoint.tensors.keys())
     resident = 4 if parameters * precision.compute_dtype.itemsize > _memory_bytes() // 2 else None
     model = load(source, device="cpu", precision=precision.name, revision=revision, resident_layers=resident)
     try:
@@ -79,13 +80,6 @@ def _calibrate(source, revision, requests: Sequence[Any]):
     finally:
         del model
         gc.collect()
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
 
 
 def _memory_bytes() -> int:

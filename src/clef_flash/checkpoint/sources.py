@@ -23,7 +23,7 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -54,7 +54,6 @@ class Checkpoint:
     stored_int8: bool = False  # the decoder projections are stored int8 (a bundle)
     manifest: dict | None = None  # a bundle's manifest
     decoder_files: str = "model*.safetensors"  # for error messages
-    _fingerprints: dict[str, str | None] = field(default_factory=dict, repr=False)
 
     @property
     def where(self) -> str:
@@ -80,11 +79,9 @@ class Checkpoint:
         """SHA-256 of the canonical JSON of config.json."""
         return config_fingerprint(self.config)
 
-    @property
+    @functools.cached_property
     def weights_fingerprint(self) -> str | None:
-        if "weights" not in self._fingerprints:
-            self._fingerprints["weights"] = weights_fingerprint(self.root)
-        return self._fingerprints["weights"]
+        return weights_fingerprint(self.root)
 
     @property
     def release_date(self) -> str:

@@ -17,6 +17,7 @@ int8. A new precision is one row in `PRECISIONS` (and, for a new int8 mode, a ke
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -122,11 +123,10 @@ class Precision:
         """The same precision for a device: int8 computes in fp32 on CPU and in bf16 on CUDA."""
         if not self.quantized:
             return self
-        dtype = BF16 if device.type == "cuda" else FP32
-        return Precision(self.name, dtype, self.int8_mode, self.reason)
+        return dataclasses.replace(self, compute_dtype=BF16 if device.type == "cuda" else FP32)
 
     def with_reason(self, reason: str) -> Precision:
-        return Precision(self.name, self.compute_dtype, self.int8_mode, reason)
+        return dataclasses.replace(self, reason=reason)
 
 
 def storage_dtype_of(name: str, shape: tuple[int, ...], stored: torch.dtype, *, part: str) -> torch.dtype:
