@@ -153,7 +153,12 @@ class Int8Linear(nn.Module):
         if kernel not in W8A8_KERNELS:
             raise ValueError(f"unknown W8A8 kernel {kernel!r}: use one of {', '.join(W8A8_KERNELS)}")
         self.in_features, self.out_features, self.mode, self.kernel = in_features, out_features, mode, kernel
-        self.dense_dtype = dense_dtype  # weight-only: the dtype the dequantized product runs in (None: x's)
+        # Weight-only with a `dense_dtype` (W8A8's gated-product projections on a CPU with fast bf16): the weight is
+        # dequantized once into that dtype and kept (dequantizing per forward cost more than the product);
+        # None: dequantized tile by tile on every forward, in x's dtype (int8-weight-only: memory stays 1 byte/weight).
+        self.dense_dtype = dense_dtype
+        self._dense: torch.Tensor | None = None
+        self._dense_from: torch.Tensor | None = None
         self.register_buffer("weight", torch.empty(out_features, in_features, dtype=INT8))
         self.register_buffer("weight" + SCALE_SUFFIX, torch.empty(out_features, dtype=SCALE_DTYPE))
         # Buffers either way (None: not in the state dict), so that a plain projection loads as before.
@@ -165,8 +170,14 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, self.in_features)  # [M, I]
         if self.mode == WEIGHT_ONLY:
-            dense = x2d if self.dense_dtype is None else x2d.to(self.dense_dtype)
-            out = weight_only_linear(dense, self.weight, self.weight_scale).float()  # outlier columns of q are 0
+            if self.dense_dtype is None:
+                out = weight_only_linear(x2d, self.weight, self.weight_scale).float()  # outlier columns of q are 0
+            else:
+                if self._dense_from is not self.weight:
+                    self._dense = dequantize(self.weight, self.weight_scale, self.dense_dtype)  # [O, I]
+                    self._dense_from = self.weight
+                    release_pages(self.weight)
+                out = (x2d.to(self.dense_dtype) @ self._dense.t()).float()
         elif self.kernel == ONEDNN and x.device.type == "cpu":
             if self._packed_from is not self.weight:
                 self._packed, self._packed_from = onednn_pack(self.weight), self.weight
