@@ -118,10 +118,11 @@ def measure(repeats: int = 3, shape: tuple[int, int, int] = PROBE_SHAPE) -> Rate
     fp32 = rate(lambda: x @ weight.t())
     small_x, small_q, small_scale = x[: tokens // 4, : inputs // 4], q[: outputs // 4, : inputs // 4], scale[: outputs // 4]
     small_ops = ops / 64
+    full_size = _int8_runs(x, q, scale)
     int8 = {}
     for kernel, run in _int8_runs(small_x.contiguous(), small_q.contiguous(), small_scale).items():
         if small_ops / _best_seconds(run, 1) / 1e9 >= fp32 / 10:
-            int8[kernel] = rate(_int8_runs(x, q, scale)[kernel])
+            int8[kernel] = rate(full_size[kernel])
     kernel = max(int8, key=int8.get) if int8 else INT_MM
     return Rates(fp32=fp32, bf16=rate(lambda: x16 @ weight16.t()), int8=int8.get(kernel, 0.0), int8_kernel=kernel)
 

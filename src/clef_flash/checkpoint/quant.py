@@ -157,15 +157,13 @@ class Int8Linear(nn.Module):
         # dequantized once into that dtype and kept (dequantizing per forward cost more than the product);
         # None: dequantized tile by tile on every forward, in x's dtype (int8-weight-only: memory stays 1 byte/weight).
         self.dense_dtype = dense_dtype
-        self._dense: torch.Tensor | None = None
-        self._dense_from: torch.Tensor | None = None
+        self._prepared: torch.Tensor | None = None  # the weight packed for oneDNN, or dequantized to dense_dtype
+        self._prepared_from: torch.Tensor | None = None  # the weight it was made from
         self.register_buffer("weight", torch.empty(out_features, in_features, dtype=INT8))
         self.register_buffer("weight" + SCALE_SUFFIX, torch.empty(out_features, dtype=SCALE_DTYPE))
         # Buffers either way (None: not in the state dict), so that a plain projection loads as before.
         self.register_buffer(OUTLIER_CHANNELS, torch.empty(outliers, dtype=torch.long) if outliers else None)
         self.register_buffer(OUTLIER_WEIGHT, torch.empty(out_features, outliers, dtype=OUTLIER_DTYPE) if outliers else None)
-        self._packed: torch.Tensor | None = None
-        self._packed_from: torch.Tensor | None = None  # the weight `_packed` was made from
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, self.in_features)  # [M, I]
@@ -173,21 +171,23 @@ class Int8Linear(nn.Module):
             if self.dense_dtype is None:
                 out = weight_only_linear(x2d, self.weight, self.weight_scale).float()  # outlier columns of q are 0
             else:
-                if self._dense_from is not self.weight:
-                    self._dense = dequantize(self.weight, self.weight_scale, self.dense_dtype)  # [O, I]
-                    self._dense_from = self.weight
-                    release_pages(self.weight)
-                out = (x2d.to(self.dense_dtype) @ self._dense.t()).float()
+                dense = self._prepare(lambda weight: dequantize(weight, self.weight_scale, self.dense_dtype))  # [O, I]
+                out = (x2d.to(self.dense_dtype) @ dense.t()).float()
         elif self.kernel == ONEDNN and x.device.type == "cpu":
-            if self._packed_from is not self.weight:
-                self._packed, self._packed_from = onednn_pack(self.weight), self.weight
-                release_pages(self.weight)  # a bundle's mapped int8 pages: the packed copy is what runs
-            out = onednn_linear(x2d, self._packed, self.weight_scale, self.outlier_channels)
+            out = onednn_linear(x2d, self._prepare(onednn_pack), self.weight_scale, self.outlier_channels)
         else:
             out = int_mm_linear(x2d, self.weight, self.weight_scale, self.outlier_channels)
         if self.outlier_channels is not None:
             out.addmm_(x2d.index_select(1, self.outlier_channels).to(out.dtype), self.outlier_weight.t().to(out.dtype))
         return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def _prepare(self, make) -> torch.Tensor:
+        """The weight in the form this linear runs (`make(weight)`), made on first use and again when the
+        weight is refilled (the low-memory window); a bundle's mapped int8 pages are given back after."""
+        if self._prepared_from is not self.weight:
+            self._prepared, self._prepared_from = make(self.weight), self.weight
+            release_pages(self.weight)
+        return self._prepared
 
     def extra_repr(self) -> str:
         kernel = f", kernel={self.kernel}" if self.mode == W8A8 else ""
