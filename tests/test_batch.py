@@ -121,7 +121,7 @@ def test_resume_after_a_partial_last_line_equals_an_uninterrupted_run(model, tmp
     crashed.write_bytes(text[:cut])
     shutil.copyfile(progress_path(clean), progress_path(crashed))
     job = BatchJob.open(source, crashed, model=MODEL)
-    assert job.done == {1, 2, 3, 4, 5}  # the partial line 6 is cut off and scored again
+    assert job.done == {(line, None) for line in range(1, 6)}  # the partial line 6 is cut off and scored again
     summary = job.run(model, batch_size=4)
     assert (summary.written, summary.skipped) == (7, 5)
     assert crashed.read_bytes() == text  # block 5-8 was scored whole again: the same floats

@@ -436,16 +436,17 @@ def test_concurrent_requests_are_batched_with_the_same_answers(model):
     async def scenario():
         app = create_app(model, batch_wait_ms=500)  # generous: all 32 arrive well within it
         async with async_serving(app) as client:
-            forwards_before = app.state.metrics.forwards.value()
+            batches = app.state.metrics.batch_size.count
+            before = batches()
             together = await asyncio.gather(*(client.post("/v1/systemone", json=request) for request in requests))
-            forwards_together = app.state.metrics.forwards.value() - forwards_before
+            batches_together = batches() - before
             alone = [await client.post("/v1/systemone", json=request) for request in requests]
-            forwards_alone = app.state.metrics.forwards.value() - forwards_before - forwards_together
-            return together, alone, forwards_together, forwards_alone
+            batches_alone = batches() - before - batches_together
+            return together, alone, batches_together, batches_alone
 
-    together, alone, forwards_together, forwards_alone = asyncio.run(scenario())
-    print(f"\n32 requests: {forwards_together:.0f} forwards concurrently, {forwards_alone:.0f} one at a time")
-    assert forwards_alone == 32 and forwards_together <= 4
+    together, alone, batches_together, batches_alone = asyncio.run(scenario())
+    print(f"\n32 requests: {batches_together} batches concurrently, {batches_alone} one at a time")
+    assert batches_alone == 32 and batches_together <= 4
     worst = 0.0
     for batched, single in zip(together, alone):
         assert batched.status_code == single.status_code == 200
@@ -596,10 +597,20 @@ def test_serve_command(model, monkeypatch, capsys):
     monkeypatch.setattr(clef_flash.engine, "load", load)
     monkeypatch.setattr(clef_flash.server, "serve", lambda served, **options: calls.setdefault("serve", (served, options)))
     monkeypatch.setenv("CLEF_FLASH_API_KEY", "from-env")
-    assert main(["serve", "--model", "tiny", "--port", "9001", "--max-length", "512", "--batch-wait-ms", "0", "--max-batch", "1"]) == 0
+    arguments = ["--max-length", "512", "--batch-wait-ms", "0", "--max-batch", "1", "--state-cache-mb", "64"]
+    assert main(["serve", "--model", "tiny", "--port", "9001", *arguments]) == 0
     assert calls["load"] == (
         "tiny",
-        {"device": "auto", "precision": None, "revision": None, "verify": False, "resident_layers": None, "max_length": 512},
+        {
+            "device": "auto",
+            "precision": None,
+            "revision": None,
+            "verify": False,
+            "resident_layers": None,
+            "state_cache_mb": 64.0,
+            "segment_tokens": 2048,
+            "max_length": 512,
+        },
     )
     served, options = calls["serve"]
     assert served is model

@@ -1,15 +1,17 @@
-"""Batch scoring: a JSONL file of requests (or of states plus one schema) to JSONL answers, resumable.
+"""Batch scoring: a JSONL file of requests (or of states plus schemas) to JSONL answers, resumable.
 
 Input, one JSON value per line; blank lines are skipped but counted, so line numbers are the file's:
 - requests: each line is a System One request; its top-level `"id"` (any JSON value) is carried over.
-- states plus a schema (`{"questions": {...}, "model"?: ...}`): a line that is an object with a
-  `"state"` key is a row `{"state": ..., "id"?: ...}`; any other value (a string, an object without
-  `"state"`, an array, a number) is the state itself.
+- states plus one or more schemas (`{"questions": {...}, "model"?: ...}`): a line that is an object
+  with a `"state"` key is a row `{"state": ..., "id"?: ...}`; any other value (a string, an object
+  without `"state"`, an array, a number) is the state itself. Each state is asked every schema; its
+  prefix + state runs once (the engine keeps it), each schema's questions after it.
 
-Output, one line per input line, in input order:
+Output, one line per input line (per input line and schema, with several schemas), in input order:
 
     {"line": 3, "id": "ticket-17", "model": "clef-flash", "answers": {...}, "usage": {...}}
     {"line": 4, "id": 4, "error": {"detail": [...]}}
+    {"line": 5, "id": 5, "schema": 1, ...}      with several schemas: which one (its --schema position, from 0)
 
 `id` is the input's own id, exactly as given, or its line number when it has none; `error` is the
 422 body the HTTP server would answer (not JSON, an invalid request, a record over the token limit).
@@ -21,7 +23,7 @@ a block cut short is scored again whole, and only its missing lines are written,
 has the same batch neighbours as in an uninterrupted run and the output equals that run's exactly
 (with the same `batch_size`; another one resumes just as safely, but floats may move in the last bit).
 `OUT.progress.json` records what the output was made from (the input's size and SHA-256, the
-schema's, the model): resuming with anything else is refused.
+schemas', the model): resuming with anything else is refused.
 """
 
 from __future__ import annotations
@@ -78,6 +80,18 @@ class Row:
     id: Any
     request: Any = None
     error: RequestInvalid | None = None
+    schema: int | None = None  # with several schemas: which one this row asks
+
+    @property
+    def key(self) -> tuple[int, int | None]:
+        return (self.line, self.schema)
+
+    def head(self) -> dict[str, Any]:
+        """The fields an output line starts with."""
+        head = {"line": self.line, "id": self.id}
+        if self.schema is not None:
+            head["schema"] = self.schema
+        return head
 
 
 def decode_json(raw: bytes) -> Any:
@@ -89,17 +103,21 @@ def decode_json(raw: bytes) -> Any:
         raise
 
 
-def decode_row(line: int, raw: bytes, schema: dict[str, Any] | None) -> Row:
+def decode_rows(line: int, raw: bytes, schemas: list[dict[str, Any]]) -> list[Row]:
+    """An input line's rows: the request itself, or its state with each schema (numbered when several)."""
+    numbers: list[int | None] = list(range(len(schemas))) if len(schemas) > 1 else [None]
     try:
         value = decode_json(raw)
     except RequestInvalid as error:
-        return Row(line, line, error=error)
-    if schema is None:
+        return [Row(line, line, error=error, schema=number) for number in numbers]
+    if not schemas:
         row_id = value.get("id", line) if isinstance(value, dict) else line
-        return Row(line, row_id, request=value)
+        return [Row(line, row_id, request=value)]
     if isinstance(value, dict) and "state" in value:
-        return Row(line, value.get("id", line), request={**schema, "state": value["state"]})
-    return Row(line, line, request={**schema, "state": value})
+        row_id, state = value.get("id", line), value["state"]
+    else:
+        row_id, state = line, value
+    return [Row(line, row_id, request={**schema, "state": state}, schema=number) for schema, number in zip(schemas, numbers)]
 
 
 def input_lines(path: Path) -> Iterator[tuple[int, bytes]]:
@@ -137,10 +155,10 @@ def score_rows(model: Clef, rows: list[Row]) -> list[dict[str, Any]]:
                 continue
             except RequestInvalid as invalid:
                 error = invalid
-        outputs[position] = {"line": row.line, "id": row.id, "error": error.detail()}
+        outputs[position] = {**row.head(), "error": error.detail()}
     results = model.score([prepared.record for _, prepared in valid])
     for (position, prepared), per_question in zip(valid, results):
-        outputs[position] = {"line": rows[position].line, "id": rows[position].id, **model.respond(prepared, per_question)}
+        outputs[position] = {**rows[position].head(), **model.respond(prepared, per_question)}
     return outputs  # type: ignore[return-value]
 
 
@@ -152,8 +170,8 @@ def json_line(value: Any) -> bytes:
         return (json.dumps(value) + "\n").encode()
 
 
-def completed_lines(output: Path) -> set[int]:
-    """The input line numbers already in `output`, after cutting off a partial last line."""
+def completed_lines(output: Path) -> set[tuple[int, int | None]]:
+    """The (input line, schema) pairs already in `output`, after cutting off a partial last line."""
     data = output.read_bytes()
     complete = data.rfind(b"\n") + 1
     if complete < len(data):
@@ -161,7 +179,8 @@ def completed_lines(output: Path) -> set[int]:
     done = set()
     for number, raw in enumerate(data[:complete].splitlines(), start=1):
         try:
-            done.add(int(json.loads(raw)["line"]))
+            written = json.loads(raw)
+            done.add((int(written["line"]), written.get("schema")))
         except (ValueError, KeyError, TypeError) as exc:
             raise ClefError(
                 f"{output} line {number} is not a clef-flash batch output line; "
@@ -185,7 +204,7 @@ def describe_differences(recorded: dict[str, Any], current: dict[str, Any]) -> l
     if (recorded.get("input_bytes"), recorded.get("input_sha256")) != (current["input_bytes"], current["input_sha256"]):
         differences.append(f"its input was {recorded.get('input')}, not this file's content")
     if recorded.get("schema_sha256") != current["schema_sha256"]:
-        differences.append("another schema" if current["schema_sha256"] else "a schema, and this run has none")
+        differences.append("other schemas" if current["schema_sha256"] else "a schema, and this run has none")
     if recorded.get("model") != current["model"]:
         differences.append(f"its model was {model_words(recorded.get('model'))}, this run's is {model_words(current['model'])}")
     return differences
@@ -204,14 +223,19 @@ class BatchJob:
     and writes nothing; `run` starts the output (a fresh job) or appends what is missing."""
 
     def __init__(
-        self, input_path: Path, output: Path, schema: dict[str, Any] | None, made_from: dict[str, Any], done: set[int] | None
+        self,
+        input_path: Path,
+        output: Path,
+        schemas: list[dict[str, Any]],
+        made_from: dict[str, Any],
+        done: set[tuple[int, int | None]] | None,
     ):
         self.input_path = input_path
         self.output = output
-        self.schema = schema
+        self.schemas = schemas
         self.made_from = made_from  # what the progress file records
         self.fresh = done is None  # no output of this job yet (or --overwrite)
-        self.done = done or set()  # input line numbers already in the output
+        self.done = done or set()  # (input line, schema) pairs already in the output
 
     @classmethod
     def open(
@@ -219,17 +243,17 @@ class BatchJob:
         input_path: str | os.PathLike[str],
         output: str | os.PathLike[str],
         *,
-        schema_path: str | os.PathLike[str] | None = None,
+        schema_path: str | os.PathLike[str] | list[str | os.PathLike[str]] | None = None,
         model: dict[str, Any],
         overwrite: bool = False,
     ) -> BatchJob:
-        """`model` describes the model for the progress file (source, revision, precision, ...)."""
+        """`model` describes the model for the progress file (source, revision, precision, ...);
+        `schema_path`: one schema file or several (each state is asked every one)."""
         input_path, output = Path(input_path), Path(output)
         if not input_path.is_file():
             raise ClefError(f"no input file at {input_path}")
         if output.exists() and output.resolve() == input_path.resolve():
             raise ClefError("the output file is the input file; give another OUT")
-        schema = None
         made_from: dict[str, Any] = {
             "format": PROGRESS_FORMAT,
             "version": PROGRESS_VERSION,
@@ -239,16 +263,18 @@ class BatchJob:
             "schema_sha256": None,
             "model": model,
         }
-        if schema_path is not None:
-            schema_path = Path(schema_path)
-            if not schema_path.is_file():
-                raise ClefError(f"no schema file at {schema_path}")
-            schema = read_schema(schema_path)
-            made_from["schema_sha256"] = sha256_of(schema_path)
+        paths = [] if schema_path is None else [schema_path] if isinstance(schema_path, (str, os.PathLike)) else schema_path
+        schemas = []
+        for path in map(Path, paths):
+            if not path.is_file():
+                raise ClefError(f"no schema file at {path}")
+            schemas.append(read_schema(path))
+        checksums = [sha256_of(path) for path in paths]
+        made_from["schema_sha256"] = (checksums[0] if len(checksums) == 1 else checksums) or None
 
         sidecar = progress_path(output)
         if overwrite or not output.exists() or (output.stat().st_size == 0 and not sidecar.exists()):
-            return cls(input_path, output, schema, made_from, None)
+            return cls(input_path, output, schemas, made_from, None)
         if not sidecar.is_file():
             raise ClefError(
                 f"{output} exists but has no {sidecar.name}, so it was not written by clef-flash batch; "
@@ -264,7 +290,7 @@ class BatchJob:
                 f"{output} was made from another job ({'; '.join(differences)}): rerun that job's command to resume "
                 "it, or add --overwrite to start over"
             )
-        return cls(input_path, output, schema, made_from, completed_lines(output))
+        return cls(input_path, output, schemas, made_from, completed_lines(output))
 
     def _start(self) -> None:
         # Empty the output first: a crash in between leaves an empty output (a fresh start) or
@@ -277,7 +303,8 @@ class BatchJob:
         self.fresh = False
 
     def total(self) -> int:
-        return sum(1 for _ in input_lines(self.input_path))
+        """Output lines a finished job has."""
+        return sum(1 for _ in input_lines(self.input_path)) * max(1, len(self.schemas))
 
     def run(
         self, model: Clef, *, batch_size: int = DEFAULT_BATCH_SIZE, progress: ProgressBar | None = None
@@ -291,12 +318,13 @@ class BatchJob:
         with open(self.output, "ab") as sink:
             blocks = itertools.groupby(input_lines(self.input_path), key=lambda item: (item[0] - 1) // batch_size)
             for _, block in blocks:
-                block = list(block)
-                if all(number in self.done for number, _ in block):
-                    continue
                 # The whole block, done lines included: the same batch as an uninterrupted run.
-                rows = [decode_row(number, raw, self.schema) for number, raw in block]
-                missing = [output for output in score_rows(model, rows) if output["line"] not in self.done]
+                rows = [row for number, raw in block for row in decode_rows(number, raw, self.schemas)]
+                if all(row.key in self.done for row in rows):
+                    continue
+                missing = [
+                    output for row, output in zip(rows, score_rows(model, rows)) if row.key not in self.done
+                ]
                 sink.write(b"".join(json_line(output) for output in missing))
                 sink.flush()
                 os.fsync(sink.fileno())

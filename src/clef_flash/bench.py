@@ -4,7 +4,8 @@ Requests come from a JSONL file or are generated at about a given token length
 (`request.samples.request_of_tokens`). They are answered `batch_size` at a time through
 `Clef.answer_many` (encode, one decoder forward, the head, the answer bodies), after one untimed
 warm-up batch. A record's latency is its batch's wall time: every record of a batch is answered
-when the batch is. Peak RSS is the process's, loading included (`getrusage`).
+when the batch is. Peak RSS is the process's, loading included (`getrusage`). The state cache is off
+while measuring: every record runs in full, as a record never seen before does.
 """
 
 from __future__ import annotations
@@ -45,8 +46,9 @@ def bench(model: Clef, requests: Sequence[Any], *, batch_size: int = 1, warmup: 
         raise ClefError("bench needs at least one request and a batch size of at least 1")
     tokens = [model.encode(request).token_count for request in requests]  # also validates every request
     batches = [list(requests[start : start + batch_size]) for start in range(0, len(requests), batch_size)]
-    saved_budget = model.batch_tokens
+    saved_budget, saved_cache = model.batch_tokens, model.state_cache.max_bytes
     model.batch_tokens = max(saved_budget, batch_size * max(tokens))  # one forward per batch
+    model.state_cache.max_bytes = 0  # no reuse between the warm-up and the batches
     try:
         for _ in range(warmup):
             model.answer_many(batches[0])
@@ -59,7 +61,7 @@ def bench(model: Clef, requests: Sequence[Any], *, batch_size: int = 1, warmup: 
             forwards += model.last_timings.forwards
         seconds = time.perf_counter() - start
     finally:
-        model.batch_tokens = saved_budget
+        model.batch_tokens, model.state_cache.max_bytes = saved_budget, saved_cache
     result = {
         "model": model.source,
         "random_weights": model.is_random,

@@ -157,8 +157,10 @@ def command_convert(args: argparse.Namespace) -> int:
 
 
 def load_model(args: argparse.Namespace, **options: Any):
-    """`load(--model, --device, --precision, --revision, --verify, --resident-layers)` plus `options`."""
+    """`load(--model, --device, --precision, --revision, --verify, --resident-layers, --state-cache-mb,
+    --segment-tokens)` plus `options`."""
     from .engine import load
+    from .prefill import DEFAULT_SEGMENT_TOKENS
 
     return load(
         args.model,
@@ -167,6 +169,8 @@ def load_model(args: argparse.Namespace, **options: Any):
         revision=args.revision,
         verify=getattr(args, "verify", False),
         resident_layers=getattr(args, "resident_layers", None),
+        state_cache_mb=getattr(args, "state_cache_mb", None),
+        segment_tokens=getattr(args, "segment_tokens", None) or DEFAULT_SEGMENT_TOKENS,
         **options,
     )
 
@@ -374,6 +378,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be 0 or more; got {text}")
+    return value
+
+
 # -- the parser, built from the tables below -----------------------------------------------------
 
 
@@ -449,6 +460,19 @@ DEVICE_ARGUMENTS = (
         type=positive_int,
         metavar="N",
         help="low-memory mode: at most N decoder layers hold weights at once (e.g. 4 for an fp32 9B in 24 GB)",
+    ),
+    arg(
+        "--state-cache-mb",
+        type=non_negative_float,
+        metavar="MB",
+        help="keep the decoder state after each record's prefix + state, up to MB mebibytes, so that later "
+        "questions about the same state skip it (default: 1/8 of this machine's memory, at most 4096; 0: off)",
+    ),
+    arg(
+        "--segment-tokens",
+        type=positive_int,
+        metavar="N",
+        help="run long records N tokens at a time, which bounds their memory (default 2048)",
     ),
 )
 
@@ -557,7 +581,12 @@ COMMANDS = (
         (
             arg("input", help="JSONL input"),
             arg("output", help="JSONL output (appended to when resuming; OUTPUT.progress.json beside it)"),
-            arg("--schema", help='a JSON file {"questions": {...}, "model"?: ...} asked about every input state'),
+            arg(
+                "--schema",
+                action="append",
+                help='a JSON file {"questions": {...}, "model"?: ...} asked about every input state; repeat it to ask '
+                'several (each output line then says which: "schema": its position from 0; each state runs once)',
+            ),
             *MODEL_ARGUMENTS,
             *DEVICE_ARGUMENTS,
             arg("--batch-size", type=positive_int, default=32, help="input lines scored together and written at once (default 32)"),

@@ -1,14 +1,17 @@
 """The engine: `load` a model, then encode, batch, run the decoder and the head, and shape answers.
 
-Records of a batch are right-padded to the longest and run through one decoder forward; causality
+Records of a batch are right-padded to the longest and run through the decoder together; causality
 keeps padding away from real tokens, so a record's logits do not depend on its neighbours beyond
-float rounding. Batches are formed by sorting records by length and filling a token budget.
+float rounding. A record's prefix + state is run once and kept (state_cache.py): records that share it,
+in one call or later ones, run only their schema and suffix from the kept state. Long records run in
+segments (prefill.py), so memory grows with a record only by its K/V and the head's memory rows.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -18,6 +21,10 @@ import torch
 from .checkpoint import Checkpoint, ModelParts, build_model, open_checkpoint
 from .errors import ClefError, RequestInvalid
 from .model.head_batch import build_head_batch, softmax_per_question, split_logits
+from .model.joint_head import FeatureBuilder
+from .model.qwen3_5 import DecoderState
+from .prefill import DEFAULT_SEGMENT_TOKENS, run_segments
+from .state_cache import MEBIBYTE, CachedState, StateCache, default_state_cache_mb
 from .machine import rates as machine_rates
 from .checkpoint.quant import INT_MM
 from .model.precision import W8A8, Precision, dense_dtype_for, resolve_precision
@@ -38,7 +45,8 @@ class Timings:
     total_ms: float = 0.0
     records: int = 0
     tokens: int = 0
-    forwards: int = 0
+    tokens_reused: int = 0  # prefix + state tokens read from a kept state instead of run again
+    forwards: int = 0  # decoder steps (segments)
 
     def as_dict(self) -> dict[str, float]:
         return {name: round(value, 3) if isinstance(value, float) else value for name, value in self.__dict__.items()}
@@ -76,6 +84,30 @@ def fitting(lengths: Iterable[int], budget: int, max_records: int | None = None)
     return count
 
 
+def _state_end(record: EncodedRecord) -> int:
+    """Tokens of the prefix + state: what records with the same state share."""
+    return record.prefix_tokens + record.state_tokens
+
+
+class _HeadClock:
+    """Splits a decoder loop's time: what runs inside `with clock:` (the head reading each segment) goes to
+    head_ms, the rest of the loop's seconds (`close`) to decoder_ms; one decoder step per `with`."""
+
+    def __init__(self, timings: Timings):
+        self.timings, self.inside = timings, 0.0
+
+    def __enter__(self) -> None:
+        self.started = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        self.inside += time.perf_counter() - self.started
+        self.timings.forwards += 1
+
+    def close(self, loop_seconds: float) -> None:
+        self.timings.head_ms += self.inside * 1000
+        self.timings.decoder_ms += (loop_seconds - self.inside) * 1000
+
+
 @dataclass(frozen=True)
 class Prepared:
     """A request validated and encoded: what the engine scores and what its answer is shaped from."""
@@ -106,7 +138,11 @@ class Clef:
         precision: Precision,
         max_length: int = DEFAULT_MAX_LENGTH,
         batch_tokens: int = DEFAULT_BATCH_TOKENS,
+        segment_tokens: int = DEFAULT_SEGMENT_TOKENS,
+        state_cache_mb: float | None = None,
     ):
+        if segment_tokens < 1:
+            raise ClefError(f"segment_tokens must be at least 1, not {segment_tokens}")
         self.checkpoint = checkpoint
         self.parts = parts
         self.tokenizer = checkpoint.tokenizer
@@ -116,6 +152,15 @@ class Clef:
         self.batch_tokens = batch_tokens
         self.model_name = DEFAULT_MODEL_NAME
         self.last_timings = Timings()
+        self.segment_tokens = segment_tokens
+        cache_mb = default_state_cache_mb() if state_cache_mb is None else state_cache_mb
+        if cache_mb < 0:
+            raise ClefError(f"state_cache_mb must be 0 (off) or more, not {cache_mb}")
+        identity = "|".join(
+            map(str, (checkpoint.source, checkpoint.fingerprint, checkpoint.weights_fingerprint, precision.name, device))
+        )
+        self.state_cache = StateCache(int(cache_mb * MEBIBYTE), identity)
+        self._empty_state: DecoderState | None = None
 
     @property
     def precision(self) -> str:
@@ -159,46 +204,152 @@ class Clef:
     def batches(self, records: Sequence[EncodedRecord]) -> list[list[int]]:
         """Indices of records grouped into forwards: sorted by length, each within the token budget."""
         order = sorted(range(len(records)), key=lambda index: records[index].token_count)
+        return self._pack(order, [record.token_count for record in records])
+
+    def _pack(self, order: list[int], tokens: Sequence[int]) -> list[list[int]]:
+        """Consecutive runs of `order` whose padded tokens fit the budget."""
         groups: list[list[int]] = []
         while order:
-            count = fitting((records[index].token_count for index in order), self.batch_tokens)
+            count = fitting((tokens[index] for index in order), self.batch_tokens)
             groups.append(order[:count])
             order = order[count:]
         return groups
 
     @torch.inference_mode()
     def score(self, records: Sequence[EncodedRecord], timings: Timings | None = None) -> list[list[QuestionResult]]:
-        """Logits and probabilities for every question of every encoded record."""
+        """Logits and probabilities for every question of every encoded record.
+
+        A record whose prefix + state is kept (cached, or shared with another record of this call) runs
+        from that state; otherwise its state is kept on the way when it may be asked again (the cache is
+        on and the entry fits, or another record of this call shares it). Records sharing a state are
+        grouped, so a call holds at most the states of the group at hand beyond the cache.
+        """
         timings = timings if timings is not None else Timings()
         results: list[list[QuestionResult] | None] = [None] * len(records)
-        for group in self.batches(records):
-            batch_records = [records[index] for index in group]
-            for index, per_question in zip(group, self._forward(batch_records, timings)):
+        cache = self.state_cache
+        keys = [cache.key(record.input_ids[: _state_end(record)]) for record in records]
+        shared = Counter(keys)
+        keyed = [
+            shared[key] > 1 or key in cache or cache.fits(self._entry_nbytes(_state_end(record)))
+            for key, record in zip(keys, records)
+        ]
+        new_tokens = [
+            record.token_count - (_state_end(record) if uses else 0) for record, uses in zip(records, keyed)
+        ]
+        order = sorted(
+            range(len(records)),
+            key=lambda index: (keyed[index], _state_end(records[index]), keys[index], new_tokens[index]),
+        )
+        remaining = Counter(key for key, uses in zip(keys, keyed) if uses)
+        held: dict[str, CachedState] = {}
+        computed: set[str] = set()
+        for group in self._pack(order, new_tokens):
+            missing: dict[str, EncodedRecord] = {}  # key -> the first record of the group with it
+            for index in group:
+                key = keys[index]
+                if keyed[index] and key not in held and key not in missing:
+                    entry = cache.get(key)
+                    if entry is None:
+                        missing[key] = records[index]
+                    else:
+                        held[key] = entry
+            if missing:
+                held.update(self._states(missing, timings))
+                computed.update(missing)
+            entries = [held[keys[index]] if keyed[index] else None for index in group]
+            for index, per_question in zip(group, self._forward([records[index] for index in group], entries, timings)):
                 results[index] = per_question
+            for index in group:
+                if keyed[index]:
+                    remaining[keys[index]] -= 1
+                    if not remaining[keys[index]]:
+                        del held[keys[index]]
+        state_tokens = {key: _state_end(record) for key, record in zip(keys, records)}
+        timings.tokens_reused += sum(state_tokens[key] for key, uses in zip(keys, keyed) if uses) - sum(
+            state_tokens[key] for key in computed
+        )
+        cache.count(hits=sum(keyed) - len(computed), misses=len(computed))
         timings.records += len(records)
         timings.tokens += sum(record.token_count for record in records)
         return results  # type: ignore[return-value]
 
-    def _forward(self, records: Sequence[EncodedRecord], timings: Timings) -> list[list[QuestionResult]]:
-        start = time.perf_counter()
-        lengths = [record.token_count for record in records]
-        longest = max(lengths)
-        input_ids = torch.full((len(records), longest), self.tokenizer.pad_id, dtype=torch.long)
-        for row, record in enumerate(records):
-            input_ids[row, : lengths[row]] = torch.tensor(record.input_ids, dtype=torch.long)
-        input_ids = input_ids.to(self.device)
-        length_tensor = torch.tensor(lengths, dtype=torch.long, device=self.device)
-        hidden = self.parts.decoder(input_ids, length_tensor)  # [B, L, D]
+    def _entry_nbytes(self, tokens: int) -> int:
+        return self.parts.decoder.state_nbytes(tokens) + tokens * self.parts.head.config.width * 4
+
+    def _states(self, records: dict[str, EncodedRecord], timings: Timings) -> dict[str, CachedState]:
+        """Run the prefix + state of each record (one per key) and keep what later tokens need."""
+        keys = sorted(records, key=lambda key: _state_end(records[key]))
+        rows = [records[key].input_ids[: _state_end(records[key])] for key in keys]
+        memory: list[list[torch.Tensor]] = [[] for _ in keys]
+        clock = _HeadClock(timings)
+
+        def keep_memory(hidden, active, starts, counts):
+            with clock:
+                _, rows_memory = self.parts.head.read(hidden)  # [B', L, w]
+                for row, index in enumerate(active):
+                    memory[index].append(rows_memory[row, : counts[row]])
+
+        kept: dict[str, CachedState] = {}
+        started = time.perf_counter()
+        for group in self._pack(list(range(len(keys))), [len(row) for row in rows]):
+            states = run_segments(
+                self.parts.decoder,
+                [rows[index] for index in group],
+                segment=self.segment_tokens,
+                pad_id=self.tokenizer.pad_id,
+                device=self.device,
+                on_segment=lambda hidden, active, starts, counts: keep_memory(
+                    hidden, [group[row] for row in active], starts, counts
+                ),
+                keep_states=True,
+            )
+            for index, state in zip(group, states):
+                entry = CachedState(state, torch.cat(memory[index]), len(rows[index]))
+                memory[index] = []
+                kept[keys[index]] = entry
+                self.state_cache.put(keys[index], entry)
         self._sync()
-        decoded = time.perf_counter()
+        clock.close(time.perf_counter() - started)
+        return kept
+
+    def _forward(
+        self, records: Sequence[EncodedRecord], entries: Sequence[CachedState | None], timings: Timings
+    ) -> list[list[QuestionResult]]:
+        """Records from their kept states (or from the start) to the end, then the head."""
+        start = time.perf_counter()
+        clock = _HeadClock(timings)
+        lengths = [record.token_count for record in records]
         head_batch = build_head_batch(records, self.device)
-        logits = self.parts.head(hidden, length_tensor, head_batch, self.parts.lm_head)  # [No]
+        builder = FeatureBuilder(self.parts.head, head_batch, lengths, self.device)
+        starts = [0 if entry is None else entry.tokens for entry in entries]
+        state = None
+        if any(entry is not None for entry in entries):
+            for row, entry in enumerate(entries):
+                if entry is not None:
+                    builder.add_memory(row, entry.memory)
+            state = DecoderState.stack([self._empty() if entry is None else entry.decoder for entry in entries])
+
+        def read(hidden, rows, done, counts):
+            with clock:
+                builder.add(hidden, rows, [starts[row] + offset for row, offset in zip(rows, done)], counts)
+
+        run_segments(
+            self.parts.decoder,
+            [record.input_ids[first:] for record, first in zip(records, starts)],
+            segment=self.segment_tokens,
+            pad_id=self.tokenizer.pad_id,
+            device=self.device,
+            on_segment=read,
+            state=state,
+        )
+        self._sync()
+        clock.close(time.perf_counter() - start)
+        decoded = time.perf_counter()
+        logits = self.parts.head.score(builder.features(), head_batch, self.parts.lm_head)  # [No]
         probabilities = softmax_per_question(logits, head_batch)
         per_record_logits = split_logits(logits.double().cpu(), head_batch)
         per_record_probabilities = split_logits(probabilities.double().cpu(), head_batch)
-        timings.decoder_ms += (decoded - start) * 1000
         timings.head_ms += (time.perf_counter() - decoded) * 1000
-        timings.forwards += 1
         return [
             [
                 QuestionResult(
@@ -215,6 +366,11 @@ class Clef:
                 records, per_record_logits, per_record_probabilities
             )
         ]
+
+    def _empty(self) -> DecoderState:
+        if self._empty_state is None:
+            self._empty_state = self.parts.decoder.empty_state()
+        return self._empty_state
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -282,6 +438,8 @@ def load(
     batch_tokens: int = DEFAULT_BATCH_TOKENS,
     verify: bool = False,
     resident_layers: int | None = None,
+    segment_tokens: int = DEFAULT_SEGMENT_TOKENS,
+    state_cache_mb: float | None = None,
 ) -> Clef:
     """Load a model: a release or bundle directory, a Hugging Face repo id, "tiny" (a generated random
     release) or "random:NAME[:SEED]" (random weights drawn in memory; names in RANDOM_CONFIGS).
@@ -292,6 +450,9 @@ def load(
     its files' sha256 first. A release loads in any precision (int8: quantized while loading).
     `resident_layers` (low-memory mode): at most that many decoder layers hold weights at once, each
     filled from the memory-mapped files just before it runs (slower: every forward reads every layer).
+    `segment_tokens`: the most tokens of a record one decoder step runs (prefill.py). `state_cache_mb`:
+    the bound of the state cache (state_cache.py); None: an eighth of this machine's memory, at most
+    4 GiB; 0: off (records of one call still share their states).
     """
     checkpoint = open_checkpoint(source, revision=revision, verify=verify)
     resolved_device = pick_device(device)
@@ -304,5 +465,12 @@ def load(
         checkpoint, policy, resolved_device, resident_layers=resident_layers, int8_kernel=kernel, dense_dtype=dense_dtype
     )
     return Clef(
-        checkpoint, parts, device=resolved_device, precision=policy, max_length=max_length, batch_tokens=batch_tokens
+        checkpoint,
+        parts,
+        device=resolved_device,
+        precision=policy,
+        max_length=max_length,
+        batch_tokens=batch_tokens,
+        segment_tokens=segment_tokens,
+        state_cache_mb=state_cache_mb,
     )

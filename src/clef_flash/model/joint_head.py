@@ -18,7 +18,7 @@ Everything is computed in float32 (the head is small next to the decoder).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Union
 
@@ -163,12 +163,64 @@ class _FieldLayer(nn.Module):
 
 @dataclass(frozen=True)
 class HeadFeatures:
-    """What the head reads from the decoder's hidden states; span sums add up across segments."""
+    """What the head reads from the decoder's hidden states."""
 
     memory: Tensor  # [B, T, w], zero past each record's length
     memory_mask: Tensor  # [B, T] bool, real tokens
     span_sums: Tensor  # [Nq + No, D], sums of Hn over each span
     last: Tensor  # [B, D], g = Hn at each record's last token
+
+
+class FeatureBuilder:
+    """Gathers `HeadFeatures` from a batch's hidden states piece by piece (SPEC §5 step 1, the span sums of
+    step 2), so a record can run through the decoder in segments, or start from a kept state whose memory
+    rows are added as they are. Pieces come in token order; the memory [B, T, w] is allocated once.
+    """
+
+    def __init__(self, head: JointHead, batch: HeadBatch, lengths: Sequence[int], device: torch.device):
+        self.head, self.batch, self.lengths, self.device = head, batch, tuple(lengths), device
+        self.memory = torch.zeros(len(self.lengths), max(self.lengths), head.config.width, dtype=HEAD_DTYPE, device=device)
+        self.filled = [0] * len(self.lengths)  # memory rows written per record, in token order
+        self.span_sums = torch.zeros(len(batch.span_lengths), head.config.hidden_size, dtype=HEAD_DTYPE, device=device)
+        self.last = torch.zeros(len(self.lengths), head.config.hidden_size, dtype=HEAD_DTYPE, device=device)
+
+    def add_memory(self, record: int, rows: Tensor) -> None:
+        """Memory rows [n, w] of the record's next n tokens, read earlier (a kept state's)."""
+        start = self.filled[record]
+        self.memory[record, start : start + rows.shape[0]] = rows
+        self.filled[record] += rows.shape[0]
+
+    def add(self, hidden: Tensor, records: Sequence[int], starts: Sequence[int], counts: Sequence[int]) -> None:
+        """A segment: row i of hidden [B', L, D] holds tokens starts[i] .. starts[i] + counts[i] - 1 of record
+        records[i] (right-padded)."""
+        normed, memory = self.head.read(hidden)
+        for row, (record, count) in enumerate(zip(records, counts)):
+            if starts[row] != self.filled[record]:
+                raise ValueError(f"record {record}: a segment from token {starts[row]} after {self.filled[record]} tokens")
+            self.add_memory(record, memory[row, :count])
+            if starts[row] + count == self.lengths[record]:
+                self.last[record] = normed[row, count - 1]
+        batch = self.batch
+        row_of = torch.full((len(self.lengths),), -1, dtype=torch.long)
+        row_of[list(records)] = torch.arange(len(records))
+        start_of = torch.zeros(len(self.lengths), dtype=torch.long)
+        start_of[list(records)] = torch.tensor(list(starts), dtype=torch.long)
+        end_of = start_of.clone()
+        end_of[list(records)] += torch.tensor(list(counts), dtype=torch.long)
+        token_record = batch.span_token_record.cpu()  # [P]
+        position = batch.span_token_position.cpu()  # [P]
+        inside = (row_of[token_record] >= 0) & (position >= start_of[token_record]) & (position < end_of[token_record])
+        if inside.any():
+            rows = row_of[token_record[inside]].to(self.device)
+            offsets = (position[inside] - start_of[token_record[inside]]).to(self.device)
+            self.span_sums.index_add_(0, batch.span_token_span[inside.to(batch.span_token_span.device)], normed[rows, offsets])
+
+    def features(self) -> HeadFeatures:
+        if list(self.filled) != list(self.lengths):
+            raise ValueError(f"memory rows {self.filled} for records of {list(self.lengths)} tokens")
+        lengths = torch.tensor(self.lengths, device=self.device)
+        memory_mask = torch.arange(self.memory.shape[1], device=self.device)[None, :] < lengths[:, None]  # [B, T]
+        return HeadFeatures(memory=self.memory, memory_mask=memory_mask, span_sums=self.span_sums, last=self.last)
 
 
 class JointHead(nn.Module):
@@ -210,20 +262,17 @@ class JointHead(nn.Module):
         """hidden [B, T, D] right-padded final hidden states; lengths [B] -> logits [No] float32."""
         return self.score(self.features(hidden, lengths, batch), batch, output_embedding)
 
+    def read(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
+        """SPEC §5 step 1 for hidden states [B, L, D]: Hn [B, L, D] and memory rows [B, L, w] (float32)."""
+        normed = self.hidden_norm(hidden.to(HEAD_DTYPE))
+        return normed, self.memory_projection(normed)
+
     def features(self, hidden: Tensor, lengths: Tensor, batch: HeadBatch) -> HeadFeatures:
-        """SPEC §5 step 1 and the span sums of step 2."""
-        hidden = hidden.to(HEAD_DTYPE)  # [B, T, D]
-        batch_size, tokens, _ = hidden.shape
-        lengths = torch.as_tensor(lengths, device=hidden.device).long()  # [B]
-        normed = self.hidden_norm(hidden)  # Hn [B, T, D]
-        memory_mask = torch.arange(tokens, device=hidden.device)[None, :] < lengths[:, None]  # [B, T]
-        # Zero the padding so that whatever it held (even NaN) cannot leak through masked attention.
-        memory = self.memory_projection(normed).masked_fill(~memory_mask[..., None], 0.0)  # [B, T, w]
-        last = normed[torch.arange(batch_size, device=hidden.device), lengths - 1]  # [B, D]
-        span_tokens = normed[batch.span_token_record, batch.span_token_position]  # [P, D]
-        span_sums = normed.new_zeros(len(batch.span_lengths), normed.shape[-1])
-        span_sums.index_add_(0, batch.span_token_span, span_tokens)  # [Nq + No, D]
-        return HeadFeatures(memory=memory, memory_mask=memory_mask, span_sums=span_sums, last=last)
+        """SPEC §5 step 1 and the span sums of step 2, from whole records' hidden states in one piece."""
+        counts = [int(length) for length in torch.as_tensor(lengths).tolist()]
+        builder = FeatureBuilder(self, batch, counts, hidden.device)
+        builder.add(hidden, range(len(counts)), [0] * len(counts), counts)
+        return builder.features()
 
     def score(self, features: HeadFeatures, batch: HeadBatch, output_embedding: OutputEmbedding) -> Tensor:
         """SPEC §5 steps 2-8 for every option of the batch -> logits [No] float32."""

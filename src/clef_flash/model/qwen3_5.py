@@ -14,16 +14,21 @@ float64 for a float64 model), cos/sin in at least fp32 then cast to the model dt
 
 Batches are right-padded: every layer is causal, so real positions never see the padding and no mask is needed.
 Segmented prefill: `forward(..., state=previous, return_state=True)` continues a sequence from a `DecoderState`
-(conv tails, recurrent states, attention K/V) and equals one pass over the concatenation.
+(conv tails, recurrent states, attention K/V) and equals one pass over the concatenation. Rows may differ in
+length, both in the state (`DecoderState.lengths`) and in the segment (`lengths`, right-padded): the pad steps
+are made inert in the delta rule (beta = 0, g = 0 leave the recurrent state unchanged), each row's conv tail is
+taken at its own end, and attention reads each row's own past keys.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from .config import TextConfig
 from .ops.gated_delta_rule import causal_conv1d_silu, gated_delta_rule, l2norm
@@ -43,19 +48,112 @@ class DeltaNetState:
 
 @dataclass
 class AttentionState:
-    key: torch.Tensor  # [B, Hkv, T, head_dim] after k_norm and RoPE
+    key: torch.Tensor  # [B, Hkv, T, head_dim] after k_norm and RoPE; row b is real up to DecoderState.lengths[b]
     value: torch.Tensor  # [B, Hkv, T, head_dim]
+
+
+LayerState = DeltaNetState | AttentionState
 
 
 @dataclass
 class DecoderState:
-    """Everything a later segment needs: the tokens seen so far and each layer's state.
+    """Everything a later segment needs: the tokens seen so far by each row and each layer's state."""
 
-    Rows must all be `length` real tokens long: a right-padded row's state would include its pad steps.
-    """
+    lengths: tuple[int, ...]  # [B] tokens seen, per row
+    layers: list[LayerState]
 
-    length: int
-    layers: list[DeltaNetState | AttentionState]
+    @property
+    def length(self) -> int:
+        """The tokens seen, when every row has seen the same number."""
+        if len(set(self.lengths)) != 1:
+            raise ValueError(f"rows have seen different numbers of tokens: {self.lengths}")
+        return self.lengths[0]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(tensor.nbytes for layer in self.layers for tensor in _tensors(layer))
+
+    def row(self, index: int) -> DecoderState:
+        """Row `index` alone, in its own compact memory (K/V cut to its length): what a cache keeps.
+        A one-row state that is already compact is returned as it is."""
+        length = self.lengths[index]
+        if len(self.lengths) == 1 and all(
+            isinstance(layer, DeltaNetState) or layer.key.shape[2] == length for layer in self.layers
+        ):
+            return self
+        layers: list[LayerState] = []
+        for layer in self.layers:
+            if isinstance(layer, DeltaNetState):
+                layers.append(DeltaNetState(layer.conv[index : index + 1].clone(), layer.recurrent[index : index + 1].clone()))
+            else:
+                layers.append(
+                    AttentionState(layer.key[index : index + 1, :, :length].clone(), layer.value[index : index + 1, :, :length].clone())
+                )
+        return DecoderState((length,), layers)
+
+    def select(self, rows: Sequence[int]) -> DecoderState:
+        """The state of some rows, in the given order."""
+        index = torch.tensor(list(rows), dtype=torch.long, device=_tensors(self.layers[0])[0].device)
+        layers: list[LayerState] = []
+        for layer in self.layers:
+            if isinstance(layer, DeltaNetState):
+                layers.append(DeltaNetState(layer.conv[index], layer.recurrent[index]))
+            else:
+                longest = max(self.lengths[row] for row in rows)
+                layers.append(AttentionState(layer.key[index, :, :longest], layer.value[index, :, :longest]))
+        return DecoderState(tuple(self.lengths[row] for row in rows), layers)
+
+    @staticmethod
+    def stack(states: Sequence[DecoderState]) -> DecoderState:
+        """One batch state from single-row states (repeated objects are broadcast, not copied)."""
+        lengths = tuple(length for state in states for length in state.lengths)
+        if all(state is states[0] for state in states) and len(states[0].lengths) == 1:
+            return DecoderState(lengths, [_expand(layer, len(states)) for layer in states[0].layers])
+        longest = max(lengths)
+        layers: list[LayerState] = []
+        for per_row in zip(*(state.layers for state in states)):
+            if isinstance(per_row[0], DeltaNetState):
+                layers.append(DeltaNetState(torch.cat([s.conv for s in per_row]), torch.cat([s.recurrent for s in per_row])))
+            else:
+                layers.append(
+                    AttentionState(_cat_padded([s.key for s in per_row], longest), _cat_padded([s.value for s in per_row], longest))
+                )
+        return DecoderState(lengths, layers)
+
+
+def _tensors(layer: LayerState) -> tuple[torch.Tensor, torch.Tensor]:
+    return (layer.conv, layer.recurrent) if isinstance(layer, DeltaNetState) else (layer.key, layer.value)
+
+
+def _expand(layer: LayerState, rows: int) -> LayerState:
+    kind = type(layer)
+    return kind(*(tensor.expand(rows, *tensor.shape[1:]) for tensor in _tensors(layer)))
+
+
+def _cat_padded(tensors: Sequence[torch.Tensor], length: int) -> torch.Tensor:
+    """[1, H, T_i, d] each -> [N, H, length, d]; what lies past a row's T_i is never read (zeros)."""
+    first = tensors[0]
+    out = first.new_zeros(len(tensors), first.shape[1], length, first.shape[3])
+    for row, tensor in enumerate(tensors):
+        out[row, :, : tensor.shape[2]] = tensor[0]
+    return out
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Where each row of a segment stands: `past` tokens before it, `new` real tokens in it (then padding)."""
+
+    past: tuple[int, ...]  # [B]
+    new: tuple[int, ...]  # [B]
+    width: int  # L, the padded segment length
+
+    @property
+    def same_past(self) -> bool:
+        return len(set(self.past)) == 1
+
+    @property
+    def padded(self) -> bool:
+        return any(count != self.width for count in self.new)
 
 
 # Norms -------------------------------------------------------------------------------------------------
@@ -96,9 +194,10 @@ class GatedRMSNorm(nn.Module):
 
 
 def rotary_cos_sin(
-    config: TextConfig, start: int, length: int, dtype: torch.dtype, device: torch.device
+    config: TextConfig, start: int | Sequence[int], length: int, dtype: torch.dtype, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [L, rotary_dim/2] for positions start..start+L-1 (text: all M-RoPE axes equal, so plain RoPE).
+    """cos, sin [L, rotary_dim/2] for positions start..start+L-1 (text: all M-RoPE axes equal, so plain RoPE);
+    with one start per row, [B, L, rotary_dim/2].
 
     Computed like HF (inv_freq = 1 / theta^(2j/rd) in fp32, or float64 for a float64 model) and cast to `dtype`.
     Only one half is returned: HF's cos/sin are [cos, cos] and [sin, sin].
@@ -106,19 +205,20 @@ def rotary_cos_sin(
     work = compute_dtype(dtype)
     rd = config.rotary_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, rd, 2, dtype=work, device=device) / rd))
-    positions = torch.arange(start, start + length, device=device).to(work)
-    angles = positions[:, None] * inv_freq[None, :]  # [L, rd/2]
+    starts = torch.tensor(start, device=device)  # [] or [B]
+    positions = (starts[..., None] + torch.arange(length, device=device)).to(work)  # [L] or [B, L]
+    angles = positions[..., None] * inv_freq  # [(B,) L, rd/2]
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """NeoX rotation of the first rotary dims of x [B, L, H, D], in place; cos, sin [L, rd/2].
+    """NeoX rotation of the first rotary dims of x [B, L, H, D], in place; cos, sin [L, rd/2] or [B, L, rd/2].
 
     Pair (i, i + rd/2): x_i' = x_i cos - x_{i+rd/2} sin, x_{i+rd/2}' = x_{i+rd/2} cos + x_i sin (HF's rotate_half,
     same roundings). Dims rd.. pass through.
     """
     half = cos.shape[-1]
-    cos, sin = cos[:, None, :], sin[:, None, :]  # [L, 1, rd/2]
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # [(B,) L, 1, rd/2]
     x1, x2 = x[..., :half], x[..., half : 2 * half]
     rotated1 = x1 * cos - x2 * sin
     rotated2 = x2 * cos + x1 * sin
@@ -151,6 +251,7 @@ class GatedAttention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
+        rows: Rows,
         state: AttentionState | None = None,
         return_state: bool = False,
     ) -> tuple[torch.Tensor, AttentionState | None]:
@@ -162,19 +263,40 @@ class GatedAttention(nn.Module):
         value = self.v_proj(x).view(B, L, Hkv, hd)
         query, key, value = (t.transpose(1, 2) for t in (query, key, value))  # [B, heads, L, hd]
 
-        if state is None:
-            out = F.scaled_dot_product_attention(query, key, value, is_causal=L > 1, enable_gqa=True)
+        if rows.same_past:
+            # One call for the batch: queries sit after `past` keys (bottom-right causal); a row's padding
+            # comes after its real tokens, so causality keeps it away from them.
+            past = rows.past[0]
+            if past:
+                key = torch.cat((state.key[:, :, :past], key), dim=2)
+                value = torch.cat((state.value[:, :, :past], value), dim=2)
+            mask = causal_lower_right(L, past + L) if past else None
+            out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=not past and L > 1, enable_gqa=True)
+            new_state = AttentionState(key, value) if return_state else None
         else:
-            # Queries sit after the past keys: key j is visible to query i iff j <= past + i (bottom-right causal).
-            past = state.key.shape[2]
-            key = torch.cat((state.key, key), dim=2)
-            value = torch.cat((state.value, value), dim=2)
-            allowed = torch.ones(L, past + L, dtype=torch.bool, device=x.device).tril_(past)
-            out = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, enable_gqa=True)
+            out, new_state = self._attend_rows(query, key, value, rows, state, return_state)
         out = out.transpose(1, 2).reshape(B, L, H * hd)  # [B, L, H*hd] head-major, like the gate
         out = out * torch.sigmoid(gate).reshape(B, L, H * hd)  # the sigmoid's output is fresh: a view
-        new_state = AttentionState(key, value) if return_state else None
         return self.o_proj(out), new_state
+
+    @staticmethod
+    def _attend_rows(query, key, value, rows: Rows, state: AttentionState, return_state: bool):
+        """Rows with different pasts, one at a time: row b's n_b queries after its own past_b keys."""
+        out = query.new_zeros(query.shape)  # [B, H, L, hd]; padding rows stay 0
+        keys, values = [], []
+        for b, (past, count) in enumerate(zip(rows.past, rows.new)):
+            row_key = torch.cat((state.key[b : b + 1, :, :past], key[b : b + 1, :, :count]), dim=2)
+            row_value = torch.cat((state.value[b : b + 1, :, :past], value[b : b + 1, :, :count]), dim=2)
+            mask = causal_lower_right(count, past + count) if past else None
+            out[b : b + 1, :, :count] = F.scaled_dot_product_attention(
+                query[b : b + 1, :, :count], row_key, row_value, attn_mask=mask, is_causal=not past and count > 1, enable_gqa=True
+            )
+            keys.append(row_key)
+            values.append(row_value)
+        if not return_state:
+            return out, None
+        longest = max(past + count for past, count in zip(rows.past, rows.new))
+        return out, AttentionState(_cat_padded(keys, longest), _cat_padded(values, longest))
 
 
 class ShortConv(nn.Module):
@@ -210,13 +332,14 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(self.value_dim, D, bias=False)
 
     def forward(
-        self, x: torch.Tensor, state: DeltaNetState | None = None, return_state: bool = False
+        self, x: torch.Tensor, rows: Rows, state: DeltaNetState | None = None, return_state: bool = False
     ) -> tuple[torch.Tensor, DeltaNetState | None]:
         B, L, _ = x.shape
         Hk, Hv, Dk, Dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
         work = compute_dtype(x.dtype)
+        ends = rows.new if return_state and rows.padded else None  # where each row's conv tail is taken
         mixed, conv_tail = causal_conv1d_silu(
-            self.in_proj_qkv(x), self.conv1d.weight, None if state is None else state.conv, return_state
+            self.in_proj_qkv(x), self.conv1d.weight, None if state is None else state.conv, return_state, ends
         )  # [B, L, conv_dim]
         query, key, value = mixed.split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
         # l2norm and the Dk^-0.5 query scale live here, on the Hk key heads (the kernel takes q, k as given).
@@ -225,6 +348,9 @@ class GatedDeltaNet(nn.Module):
         value = value.view(B, L, Hv, Dv)
         beta = self.in_proj_b(x).sigmoid()  # [B, L, Hv] model dtype, as HF
         g = -self.A_log.to(work).exp() * F.softplus(self.in_proj_a(x).to(work) + self.dt_bias.to(work))  # [B, L, Hv]
+        if ends is not None:  # pad steps leave the state as it is: no decay (g = 0), no write (beta = 0)
+            padding = (torch.arange(L, device=x.device) >= torch.tensor(ends, device=x.device)[:, None])[..., None]
+            g, beta = g.masked_fill(padding, 0.0), beta.masked_fill(padding, 0.0)
         out, recurrent = gated_delta_rule(
             query, key, value, g, beta, initial_state=None if state is None else state.recurrent
         )  # out [B, L, Hv, Dv] model dtype
@@ -258,12 +384,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, state=None, return_state=False):
+    def forward(self, x, cos, sin, rows: Rows, state=None, return_state=False):
         h = self.input_layernorm(x)
         if self.layer_type == "linear_attention":
-            h, new_state = self.linear_attn(h, state, return_state)
+            h, new_state = self.linear_attn(h, rows, state, return_state)
         else:
-            h, new_state = self.self_attn(h, cos, sin, state, return_state)
+            h, new_state = self.self_attn(h, cos, sin, rows, state, return_state)
         x = x + h
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, new_state
@@ -289,29 +415,62 @@ class Qwen35Decoder(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.activation_dtype or self.embed_tokens.weight.dtype
 
+    def empty_state(self) -> DecoderState:
+        """The state of one row before any token (zero conv tails and recurrent states, no K/V)."""
+        config, device = self.config, self.embed_tokens.weight.device
+        work = compute_dtype(self.dtype)
+        layers: list[LayerState] = []
+        for layer_type in config.layer_types:
+            if layer_type == "linear_attention":
+                conv = torch.zeros(1, config.linear_conv_dim, config.linear_conv_kernel_dim - 1, dtype=self.dtype, device=device)
+                recurrent = torch.zeros(
+                    1, config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim, dtype=work, device=device
+                )
+                layers.append(DeltaNetState(conv, recurrent))
+            else:
+                empty = torch.zeros(1, config.num_key_value_heads, 0, config.head_dim, dtype=self.dtype, device=device)
+                layers.append(AttentionState(empty, empty))
+        return DecoderState((0,), layers)
+
+    def state_nbytes(self, tokens: int) -> int:
+        """The bytes of one row's `DecoderState` after `tokens` tokens (see state_cache.py)."""
+        config = self.config
+        activation, work = self.dtype.itemsize, compute_dtype(self.dtype).itemsize
+        per_deltanet = (
+            config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * work
+            + config.linear_conv_dim * (config.linear_conv_kernel_dim - 1) * activation
+        )
+        per_attention_token = 2 * config.num_key_value_heads * config.head_dim * activation
+        deltanet = sum(kind == "linear_attention" for kind in config.layer_types)
+        return deltanet * per_deltanet + (len(config.layer_types) - deltanet) * per_attention_token * tokens
+
     def forward(
         self,
         input_ids: torch.Tensor,
-        lengths: torch.Tensor | None = None,
+        lengths: torch.Tensor | Sequence[int] | None = None,
         state: DecoderState | None = None,
         return_state: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, DecoderState]:
-        """input_ids [B, L] long, right-padded; lengths [B] (the real lengths) is accepted for the engine's
-        bookkeeping and changes nothing: causality already keeps padding away from real positions.
+        """input_ids [B, L] long, right-padded; lengths [B]: the real tokens of each row (None: all L).
 
         Returns last_hidden_state [B, L, D] in the model dtype, or (it, DecoderState) with return_state.
-        Positions continue from `state.length` when a state is given.
+        Positions continue from `state.lengths` when a state is given. Without a state, and when no state is
+        returned, `lengths` changes nothing: causality already keeps padding away from real positions.
         """
         B, L = input_ids.shape
-        past = 0 if state is None else state.length
+        new = (L,) * B if lengths is None else tuple(int(length) for length in lengths)
+        rows = Rows(past=(0,) * B if state is None else tuple(state.lengths), new=new, width=L)
+        if state is not None and len(state.lengths) != B:
+            raise ValueError(f"a state of {len(state.lengths)} rows continued by {B} rows")
         x = self.embed_tokens(input_ids).to(self.dtype)  # [B, L, D]
-        cos, sin = rotary_cos_sin(self.config, past, L, x.dtype, x.device)
+        start = rows.past[0] if rows.same_past else rows.past
+        cos, sin = rotary_cos_sin(self.config, start, L, x.dtype, x.device)
         layer_states = [None] * len(self.layers) if state is None else state.layers
         new_states = []
         for layer, layer_state in zip(self.layers, layer_states):
-            x, new_state = layer(x, cos, sin, layer_state, return_state)
+            x, new_state = layer(x, cos, sin, rows, layer_state, return_state)
             new_states.append(new_state)
         x = self.norm(x)
         if return_state:
-            return x, DecoderState(past + L, new_states)
+            return x, DecoderState(tuple(p + n for p, n in zip(rows.past, rows.new)), new_states)
         return x

@@ -199,7 +199,7 @@ class SystemOneServer:
 
     def __init__(self, model: Clef, settings: ServerSettings):
         self.model, self.settings = model, settings
-        self.metrics = ServerMetrics(queue_depth=lambda: self.batcher.depth)
+        self.metrics = ServerMetrics(queue_depth=lambda: self.batcher.depth, cache_stats=lambda: model.state_cache.stats)
         self.batcher = Batcher(
             model,
             self.metrics,

@@ -178,6 +178,7 @@ class Batcher:
         except Exception as error:
             with self.metrics.lock:
                 self.metrics.forwards.inc(amount=timings.forwards)
+                self.metrics.tokens_reused.inc(amount=timings.tokens_reused)
             if len(batch) > 1:
                 # Run each record alone, so that one bad record fails only its own request.
                 log.warning("a batch of %d records failed (%s); retrying them one by one", len(batch), error)
@@ -194,6 +195,7 @@ class Batcher:
         finished = time.perf_counter()
         with self.metrics.lock:
             self.metrics.forwards.inc(amount=timings.forwards)
+            self.metrics.tokens_reused.inc(amount=timings.tokens_reused)
             self.metrics.batch_size.observe(len(batch))
             self.metrics.input_tokens.inc(amount=sum(job.record.token_count for job in batch))
             for job in batch:

@@ -10,6 +10,8 @@ import math
 import threading
 from collections.abc import Callable, Sequence
 
+from ..state_cache import CacheStats
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 TOKEN_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
@@ -82,19 +84,19 @@ class Histogram:
 
 
 class Gauge:
-    """A value read when scraped (e.g. the queue depth)."""
+    """A value read when scraped (e.g. the queue depth); `kind` counter for a running total kept elsewhere."""
 
-    def __init__(self, name: str, help_text: str, read: Callable[[], float]):
-        self.name, self.help, self.read = name, help_text, read
+    def __init__(self, name: str, help_text: str, read: Callable[[], float], kind: str = "gauge"):
+        self.name, self.help, self.read, self.kind = name, help_text, read, kind
 
     def lines(self) -> list[str]:
-        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} gauge", f"{self.name} {_number(self.read())}"]
+        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}", f"{self.name} {_number(self.read())}"]
 
 
 class ServerMetrics:
     """Every metric of one app. `lock` guards updates; `render()` takes it too."""
 
-    def __init__(self, queue_depth: Callable[[], float]):
+    def __init__(self, queue_depth: Callable[[], float], cache_stats: Callable[[], CacheStats]):
         self.lock = threading.Lock()
         self.requests = Counter("clef_flash_requests_total", "HTTP requests by route and status.", ("route", "status"))
         self.latency = Histogram(
@@ -107,6 +109,20 @@ class ServerMetrics:
         self.dropped = Counter("clef_flash_dropped_total", "Queued requests dropped because the client went away.")
         self.failures = Counter("clef_flash_inference_failures_total", "Records whose inference raised.")
         self.queue_depth = Gauge("clef_flash_queue_depth", "Records waiting for the model worker.", queue_depth)
+        self.tokens_reused = Counter(
+            "clef_flash_state_tokens_reused_total", "Prefix + state tokens read from a kept state instead of run."
+        )
+        self.cache = tuple(
+            Gauge(f"clef_flash_state_cache_{name}", help_text, lambda field=field: getattr(cache_stats(), field), kind)
+            for name, field, kind, help_text in (
+                ("hits_total", "hits", "counter", "Records that started from a kept prefix + state."),
+                ("misses_total", "misses", "counter", "Prefix + states run and kept."),
+                ("evictions_total", "evictions", "counter", "Kept states dropped to stay within the bound."),
+                ("bytes", "bytes", "gauge", "Bytes the state cache holds."),
+                ("entries", "entries", "gauge", "States the state cache holds."),
+                ("max_bytes", "max_bytes", "gauge", "The state cache's bound in bytes (0: off)."),
+            )
+        )
 
     def render(self) -> str:
         with self.lock:
@@ -120,5 +136,7 @@ class ServerMetrics:
                 self.dropped,
                 self.failures,
                 self.queue_depth,
+                self.tokens_reused,
+                *self.cache,
             )
             return "\n".join(line for metric in metrics for line in metric.lines()) + "\n"

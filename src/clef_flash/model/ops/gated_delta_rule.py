@@ -191,14 +191,19 @@ def _chunk_major(x: torch.Tensor, N: int, C: int, dtype: torch.dtype, features: 
 
 
 def causal_conv1d_silu(
-    x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | None = None, return_state: bool = False
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor | None = None,
+    return_state: bool = False,
+    ends: tuple[int, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Depthwise causal conv (no bias) then SiLU, channels last.
 
     x [B,L,C] (as the input projection makes it); weight [C,K] or [C,1,K], weight[:, K-1] multiplies the current
     token; conv_state [B,C,K-1] holds the K-1 inputs before x (zeros when None). The taps are accumulated in at
     least fp32 and rounded once to x's dtype before the SiLU (as F.conv1d does in HF). Returns (y [B,L,C], the new
-    conv state [B,C,K-1] of the last K-1 inputs, or None unless return_state).
+    conv state [B,C,K-1] of the last K-1 inputs, or None unless return_state). `ends` [B]: each row's real
+    length when the rows are right-padded (the state is then taken before each row's padding).
     """
     B, L, C = x.shape
     weight = weight.reshape(C, -1)
@@ -214,8 +219,12 @@ def causal_conv1d_silu(
     for i in range(K - 1):
         y.addcmul_(wide[:, i : i + L], taps[i])
     y = F.silu(y.to(x.dtype), inplace=True)
-    new_state = padded[:, L:].transpose(1, 2) if return_state else None  # [B,C,K-1]
-    return y, new_state
+    if not return_state:
+        return y, None
+    if ends is None:
+        return y, padded[:, L:].transpose(1, 2)  # [B,C,K-1]
+    tails = torch.stack([padded[row, end : end + K - 1] for row, end in enumerate(ends)])  # [B,K-1,C]
+    return y, tails.transpose(1, 2)
 
 
 @lru_cache(maxsize=1)
