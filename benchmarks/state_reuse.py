@@ -10,6 +10,8 @@
 - long:     one record of 370, 4K, 16K and 64K tokens, each in a fresh process: tokens/s and peak RSS, with
             segments (the default) and, up to 16K, in one pass.
 - segments: tokens/s of a 4K record for several segment sizes (what the default is chosen from).
+- overhead: what keeping the state costs a ~400-token record that is never asked again (two decoder
+            steps instead of one pass).
 
 Run it alone on a quiet machine (load average < 0.5); every figure says the CPU it came from.
 """
@@ -29,6 +31,7 @@ from pathlib import Path
 import httpx
 
 import clef_flash
+from clef_flash.errors import RecordTooLong
 from clef_flash.machine import this_machine
 from clef_flash.request.samples import WORDS, random_request, request_of_tokens
 
@@ -130,10 +133,18 @@ def part_server(model, rounds: int) -> dict:
     return {"cache_on_s": on_s, "cache_off_s": off_s, "speedup": statistics.median(off_s) / statistics.median(on_s), "metrics": hits}
 
 
+def tokens_of(model, request) -> int:
+    """The record's tokens, also over the model's limit."""
+    try:
+        return model.encode(request).token_count
+    except RecordTooLong as error:
+        return error.token_count
+
+
 def one_record(source: str, tokens: int, segment: int) -> dict:
     """In this (fresh) process: load, answer one record of `tokens` tokens, report time and peak RSS."""
-    model = clef_flash.load(source, segment_tokens=segment, state_cache_mb=0)
-    request = request_of_tokens(lambda request: model.encode(request).token_count, tokens)
+    model = clef_flash.load(source, segment_tokens=segment)
+    request = request_of_tokens(lambda request: tokens_of(model, request), tokens)
     loaded_rss = peak_rss_mb()
     model.answer(request)  # the time of a second run: the first also pages the weights in
     start = time.perf_counter()
@@ -179,11 +190,30 @@ def part_segments(model, rounds: int, sizes=(512, 1024, 2048, 4096)) -> dict:
     return {str(size): {"median_s": statistics.median(values), "tokens_per_s": count / statistics.median(values)} for size, values in times.items()}
 
 
+def part_overhead(model, rounds: int) -> dict:
+    """What keeping a state costs a record never seen again: the typical ~400-token record, cache on
+    (emptied before each record, so the state is computed and kept: two decoder steps) against off (one pass)."""
+    from common import typical_request
+
+    request = typical_request()
+    bound = model.state_cache.max_bytes
+    times: dict[str, list[float]] = {"kept": [], "one_pass": []}
+    for round_index in range(rounds + 1):
+        for mode in ("kept", "one_pass") if round_index % 2 else ("one_pass", "kept"):
+            model.state_cache.max_bytes = bound if mode == "kept" else 0
+            model.state_cache.clear()
+            seconds = timed(lambda: model.answer(request))
+            if round_index:
+                times[mode].append(seconds)
+    model.state_cache.max_bytes = bound
+    return {**times, "kept_over_one_pass": statistics.median(times["kept"]) / statistics.median(times["one_pass"])}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="benchmarks/.peer/bundle-9b-part")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--parts", default="sets,server,long,segments")
+    parser.add_argument("--parts", default="sets,server,long,segments,overhead")
     parser.add_argument("--lengths", default="370,4096,16384,65536")
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--segment", type=int, help=argparse.SUPPRESS)
@@ -195,10 +225,11 @@ def main() -> None:
     machine = this_machine()
     report = {"machine": machine.key, "cpu": machine.cpu, "load_average": os.getloadavg(), "model": args.model}
     parts = args.parts.split(",")
-    if {"sets", "server", "segments"} & set(parts):
+    if {"sets", "server", "segments", "overhead"} & set(parts):
         model = clef_flash.load(args.model)
         report["precision"] = model.precision
-        for name, run in (("sets", part_sets), ("server", part_server), ("segments", part_segments)):
+        runs = (("sets", part_sets), ("server", part_server), ("segments", part_segments), ("overhead", part_overhead))
+        for name, run in runs:
             if name in parts:
                 report[name] = run(model, args.rounds)
                 print(name, json.dumps(report[name]), file=sys.stderr)

@@ -76,6 +76,7 @@ def test_state_token_counts(one_pass, requests):
 def test_segments_and_kept_states_equal_one_pass(one_pass, requests, segment, cache_mb):
     expected = [logits_of(one_pass, [request])[0] for request in requests]
     model = clef_flash.load("tiny", precision="fp32", state_cache_mb=cache_mb, segment_tokens=segment)
+    model.keep_from_tokens = 0  # keep every state on first sight (tiny's are all short)
     together = logits_of(model, requests)  # shared states, batch neighbours, several segments
     first = model.last_timings
     again = logits_of(model, requests[::-1])[::-1]  # from the cache when it is on
@@ -97,6 +98,21 @@ def test_answer_many_runs_a_shared_state_once(requests):
     assert calls == [1] and model.state_cache.stats.hits == 2 and model.state_cache.stats.misses == 1
     model.answer_many(requests[6:9])  # the cache is off: run once again, shared again
     assert calls == [1, 1] and len(model.state_cache) == 0
+
+
+def test_which_states_are_kept(requests):
+    model = clef_flash.load("tiny", precision="fp32", state_cache_mb=64)
+    short, long = requests[3], requests[6]  # "yes" and ~200 tokens of state
+    long_tokens = model.encode(long).prefix_tokens + model.encode(long).state_tokens
+    model.keep_from_tokens = long_tokens
+    model.answer(short)
+    assert len(model.state_cache) == 0  # short and never asked before: one pass, nothing kept
+    model.answer(short)
+    assert len(model.state_cache) == 1  # asked again: kept
+    model.answer(long)
+    assert len(model.state_cache) == 2  # long enough to keep on first sight
+    model.answer({**long, "questions": requests[7]["questions"]})
+    assert model.last_timings.tokens_reused == long_tokens
 
 
 def test_segments_bound_every_decoder_step(requests):
@@ -141,6 +157,7 @@ def test_a_state_is_never_used_by_another_model_precision_or_device(requests):
     keys = {model.state_cache.key(tokens) for model in (fp32, bf16, other)}
     assert len(keys) == 3
     assert "fp32" in fp32.state_cache.identity and "cpu" in fp32.state_cache.identity
+    fp32.keep_from_tokens = 0
     fp32.answer(requests[0])
     assert len(fp32.state_cache) == 1 and len(bf16.state_cache) == 0  # per engine, never shared
 
@@ -176,7 +193,7 @@ def test_server_reuses_states_across_requests(requests):
 
     from clef_flash.server import create_app
 
-    for cache_mb, hits in ((64, 2), (0, 0)):
+    for cache_mb, hits in ((64, 1), (0, 0)):  # a short state is kept when asked the 2nd time, used the 3rd
         model = clef_flash.load("tiny", precision="fp32", state_cache_mb=cache_mb)
         with TestClient(create_app(model)) as client:
             before = model.state_cache.stats.hits  # start-up's warm-up request

@@ -33,6 +33,10 @@ from .request.protocol import DEFAULT_MODEL_NAME, SystemOneRequest, parse_reques
 from .request.records import DEFAULT_MAX_LENGTH, EncodedRecord, encode_record
 
 DEFAULT_BATCH_TOKENS = 8192  # padded tokens per decoder forward
+# A prefix + state this long or longer is kept on first sight (when the cache is on): running a record as
+# prefix + state, then the rest, costs a second decoder step, which pays only when the state is long.
+# Shorter ones are kept only when records of one call share them. Measured in README's table (issue 14).
+KEEP_FROM_TOKENS = 512
 
 
 @dataclass
@@ -153,6 +157,7 @@ class Clef:
         self.model_name = DEFAULT_MODEL_NAME
         self.last_timings = Timings()
         self.segment_tokens = segment_tokens
+        self.keep_from_tokens = KEEP_FROM_TOKENS
         cache_mb = default_state_cache_mb() if state_cache_mb is None else state_cache_mb
         if cache_mb < 0:
             raise ClefError(f"state_cache_mb must be 0 (off) or more, not {cache_mb}")
@@ -230,15 +235,15 @@ class Clef:
         keys = [cache.key(record.input_ids[: _state_end(record)]) for record in records]
         shared = Counter(keys)
         keyed = [
-            shared[key] > 1 or key in cache or cache.fits(self._entry_nbytes(_state_end(record)))
+            shared[key] > 1 or key in cache or self._worth_keeping(key, _state_end(record))
             for key, record in zip(keys, records)
         ]
         new_tokens = [
             record.token_count - (_state_end(record) if uses else 0) for record, uses in zip(records, keyed)
         ]
-        order = sorted(
+        order = sorted(  # records sharing a state side by side; the others by length
             range(len(records)),
-            key=lambda index: (keyed[index], _state_end(records[index]), keys[index], new_tokens[index]),
+            key=lambda index: (keyed[index], _state_end(records[index]) if keyed[index] else 0, keys[index] if keyed[index] else "", new_tokens[index]),
         )
         remaining = Counter(key for key, uses in zip(keys, keyed) if uses)
         held: dict[str, CachedState] = {}
@@ -273,8 +278,13 @@ class Clef:
         timings.tokens += sum(record.token_count for record in records)
         return results  # type: ignore[return-value]
 
-    def _entry_nbytes(self, tokens: int) -> int:
-        return self.parts.decoder.state_nbytes(tokens) + tokens * self.parts.head.config.width * 4
+    def _worth_keeping(self, key: str, tokens: int) -> bool:
+        """Whether to keep a state this call does not share, within the cache's bound: when it is long
+        enough that reusing it pays for the second decoder step it costs now (KEEP_FROM_TOKENS), or when it
+        was seen before (a short state asked again is kept the second time)."""
+        seen = self.state_cache.seen(key)
+        entry_bytes = self.parts.decoder.state_nbytes(tokens) + tokens * self.parts.head.config.width * 4
+        return (tokens >= self.keep_from_tokens or seen) and self.state_cache.fits(entry_bytes)
 
     def _states(self, records: dict[str, EncodedRecord], timings: Timings) -> dict[str, CachedState]:
         """Run the prefix + state of each record (one per key) and keep what later tokens need."""

@@ -28,6 +28,7 @@ import torch
 from .model.qwen3_5 import DecoderState
 
 MEBIBYTE = 1 << 20
+SEEN_KEYS = 1 << 16  # keys remembered (~6 MB) to keep a short state the second time it is asked
 
 
 def default_state_cache_mb() -> int:
@@ -75,6 +76,7 @@ class StateCache:
         self.identity = identity
         self._entries: OrderedDict[str, CachedState] = OrderedDict()
         self._stats = CacheStats(max_bytes=max(0, int(max_bytes)))
+        self._seen: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()
 
     @property
@@ -106,6 +108,16 @@ class StateCache:
             if entry is not None:
                 self._entries.move_to_end(key)
             return entry
+
+    def seen(self, key: str) -> bool:
+        """Whether `key` was looked at before (the last SEEN_KEYS keys); remembers it."""
+        with self._lock:
+            known = key in self._seen
+            self._seen[key] = None
+            self._seen.move_to_end(key)
+            if len(self._seen) > SEEN_KEYS:
+                self._seen.popitem(last=False)
+            return known
 
     def __contains__(self, key: str) -> bool:
         with self._lock:
@@ -148,6 +160,7 @@ class StateCache:
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._seen.clear()
             self._stats.bytes = self._stats.entries = 0
 
     @property
