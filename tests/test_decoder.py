@@ -313,8 +313,11 @@ def test_segments_equal_one_pass(models, name, length):
         state = None
         pieces = []
         for start, stop in ((0, 70), (70, 71), (71, 72), (72, length)):  # chunk-crossing, single-token, rest
-            piece, state = ours64(ids[:, start:stop], state=state, return_state=True)
+            # K/V room for the whole sequence, allocated by the first segment and filled in place after it
+            piece, state = ours64(ids[:, start:stop], state=state, return_state=True, reserve=length)
             pieces.append(piece)
+            attention = next(layer for layer in state.layers if hasattr(layer, "key"))
+            assert attention.key.shape[2] == length and attention.growable
         assert isinstance(state, DecoderState) and state.length == length
         err64 = rel(torch.cat(pieces, 1), whole)
         out32, state32 = ours(ids[:, :100], return_state=True)

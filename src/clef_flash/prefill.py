@@ -46,6 +46,8 @@ def run_segments(
     if state is not None and len(active) < len(rows):
         state = state.select(active)
     kept: list[DecoderState | None] = [None] * len(rows)
+    past = [0] * len(rows) if state is None else list(state.lengths)
+    reserve = max((past[row] + len(rows[index]) for row, index in enumerate(active)), default=0)
     while active:
         counts = [min(segment, len(rows[index]) - done[index]) for index in active]
         finishing = [done[index] + count == len(rows[index]) for index, count in zip(active, counts)]
@@ -53,7 +55,7 @@ def run_segments(
         input_ids = torch.full((len(active), max(counts)), pad_id, dtype=torch.long)
         for row, (index, count) in enumerate(zip(active, counts)):
             input_ids[row, :count] = torch.tensor(rows[index][done[index] : done[index] + count], dtype=torch.long)
-        output = decoder(input_ids.to(device), counts, state=state, return_state=return_state)
+        output = decoder(input_ids.to(device), counts, state=state, return_state=return_state, reserve=reserve)
         hidden, state = output if return_state else (output, None)
         on_segment(hidden, active, [done[index] for index in active], counts)
         del hidden, output

@@ -50,6 +50,9 @@ class DeltaNetState:
 class AttentionState:
     key: torch.Tensor  # [B, Hkv, T, head_dim] after k_norm and RoPE; row b is real up to DecoderState.lengths[b]
     value: torch.Tensor  # [B, Hkv, T, head_dim]
+    # The tensors are buffers this state alone holds, whose room past the rows' lengths the next segment may
+    # fill in place (allocated once at the length the sequence will reach, instead of growing every segment).
+    growable: bool = False
 
 
 LayerState = DeltaNetState | AttentionState
@@ -75,12 +78,16 @@ class DecoderState:
 
     def row(self, index: int) -> DecoderState:
         """Row `index` alone, in its own compact memory (K/V cut to its length): what a cache keeps.
-        A one-row state that is already compact is returned as it is."""
+        A one-row state is returned without copies (its K/V as views of their length)."""
         length = self.lengths[index]
-        if len(self.lengths) == 1 and all(
-            isinstance(layer, DeltaNetState) or layer.key.shape[2] == length for layer in self.layers
-        ):
-            return self
+        if len(self.lengths) == 1:
+            return DecoderState(
+                self.lengths,
+                [
+                    layer if isinstance(layer, DeltaNetState) else AttentionState(layer.key[:, :, :length], layer.value[:, :, :length])
+                    for layer in self.layers
+                ],
+            )
         layers: list[LayerState] = []
         for layer in self.layers:
             if isinstance(layer, DeltaNetState):
@@ -146,6 +153,7 @@ class Rows:
     past: tuple[int, ...]  # [B]
     new: tuple[int, ...]  # [B]
     width: int  # L, the padded segment length
+    reserve: int = 0  # tokens the longest row will reach: the K/V room to allocate
 
     @property
     def same_past(self) -> bool:
@@ -267,12 +275,10 @@ class GatedAttention(nn.Module):
             # One call for the batch: queries sit after `past` keys (bottom-right causal); a row's padding
             # comes after its real tokens, so causality keeps it away from them.
             past = rows.past[0]
-            if past:
-                key = torch.cat((state.key[:, :, :past], key), dim=2)
-                value = torch.cat((state.value[:, :, :past], value), dim=2)
+            key, value, new_state = _grown(state, key, value, past, rows.reserve if return_state else 0)
             mask = causal_lower_right(L, past + L) if past else None
             out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=not past and L > 1, enable_gqa=True)
-            new_state = AttentionState(key, value) if return_state else None
+            new_state = new_state if return_state else None
         else:
             out, new_state = self._attend_rows(query, key, value, rows, state, return_state)
         out = out.transpose(1, 2).reshape(B, L, H * hd)  # [B, L, H*hd] head-major, like the gate
@@ -297,6 +303,27 @@ class GatedAttention(nn.Module):
             return out, None
         longest = max(past + count for past, count in zip(rows.past, rows.new))
         return out, AttentionState(_cat_padded(keys, longest), _cat_padded(values, longest))
+
+
+def _grown(state: AttentionState | None, key, value, past: int, reserve: int):
+    """The past `past` keys/values of every row followed by this segment's: (keys, values [B, Hkv, past+L, hd],
+    the state holding them). Written in place into a growable state's room when it has enough; otherwise
+    copied once into new buffers with room for `reserve` tokens."""
+    length = past + key.shape[2]
+    if past and state.growable and state.key.shape[2] >= length:
+        state.key[:, :, past:length] = key
+        state.value[:, :, past:length] = value
+        return state.key[:, :, :length], state.value[:, :, :length], state
+    if not past and reserve <= length:
+        return key, value, AttentionState(key, value)
+    buffers = []
+    for past_part, new_part in ((None if not past else state.key, key), (None if not past else state.value, value)):
+        buffer = new_part.new_empty(*new_part.shape[:2], max(length, reserve), new_part.shape[3])
+        if past:
+            buffer[:, :, :past] = past_part[:, :, :past]
+        buffer[:, :, past:length] = new_part
+        buffers.append(buffer)
+    return buffers[0][:, :, :length], buffers[1][:, :, :length], AttentionState(*buffers, growable=reserve > length)
 
 
 class ShortConv(nn.Module):
@@ -450,8 +477,10 @@ class Qwen35Decoder(nn.Module):
         lengths: torch.Tensor | Sequence[int] | None = None,
         state: DecoderState | None = None,
         return_state: bool = False,
+        reserve: int = 0,
     ) -> torch.Tensor | tuple[torch.Tensor, DecoderState]:
         """input_ids [B, L] long, right-padded; lengths [B]: the real tokens of each row (None: all L).
+        `reserve`: the tokens the longest row will reach over the coming segments (room for its K/V).
 
         Returns last_hidden_state [B, L, D] in the model dtype, or (it, DecoderState) with return_state.
         Positions continue from `state.lengths` when a state is given. Without a state, and when no state is
@@ -459,7 +488,7 @@ class Qwen35Decoder(nn.Module):
         """
         B, L = input_ids.shape
         new = (L,) * B if lengths is None else tuple(int(length) for length in lengths)
-        rows = Rows(past=(0,) * B if state is None else tuple(state.lengths), new=new, width=L)
+        rows = Rows(past=(0,) * B if state is None else tuple(state.lengths), new=new, width=L, reserve=reserve)
         if state is not None and len(state.lengths) != B:
             raise ValueError(f"a state of {len(state.lengths)} rows continued by {B} rows")
         x = self.embed_tokens(input_ids).to(self.dtype)  # [B, L, D]
