@@ -89,6 +89,18 @@ def test_segments_and_kept_states_equal_one_pass(one_pass, requests, segment, ca
     assert model.last_timings.tokens_reused == (sum(state_tokens) if cache_mb else first.tokens_reused)
 
 
+def test_the_head_reads_a_long_memory_in_chunks(one_pass, requests, monkeypatch):
+    """Over MEMORY_CHUNK memory rows the head attends chunk by chunk (a running log-sum-exp): the same logits."""
+    import clef_flash.model.joint_head as joint_head
+
+    expected = logits_of(one_pass, requests)
+    monkeypatch.setattr(joint_head, "MEMORY_CHUNK", 16)
+    chunked = logits_of(one_pass, requests)
+    error = worst_relative(chunked, expected)
+    print(f"head memory in chunks of 16 rows vs one SDPA call: fp32 {error:.1e}")
+    assert error <= 1e-5 and decisions(chunked) == decisions(expected)
+
+
 def test_answer_many_runs_a_shared_state_once(requests):
     model = clef_flash.load("tiny", precision="fp32", state_cache_mb=0)
     calls = []

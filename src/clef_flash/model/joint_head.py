@@ -29,7 +29,8 @@ from torch import Tensor, nn
 from .head_batch import QUESTION_TYPE_COUNT, HeadBatch, segment_softmax
 from .precision import HEAD_DTYPE
 
-LOG_MAX_LOGIT_SCALE = math.log(100.0)  # the scales are exp(min(s, ln 100)), i.e. min(exp(s), 100)
+LOG_MAX_LOGIT_SCALE = math.log(100.0)
+MEMORY_CHUNK = 8192  # memory rows per step of the head's attention over a long record's memory  # the scales are exp(min(s, ln 100)), i.e. min(exp(s), 100)
 
 # `lm_head.weight` [V, D], or a function gathering its rows for a LongTensor of ids (e.g. from a
 # memory-mapped 8-bit table): rows(ids [U]) -> [U, D].
@@ -91,6 +92,35 @@ class _Attention(nn.Module):
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # [B, h, L, w/h]
         return self.out_proj(out.transpose(1, 2).flatten(2))  # [B, L, w]
 
+    def attend_memory(self, queries: Tensor, memory: Tensor, mask: Tensor, memory_norm: nn.Module | None = None) -> Tensor:
+        """queries [B, L, w] attend to memory [B, T, w] (after `memory_norm`, when given); mask [B, 1, 1, T].
+
+        Up to MEMORY_CHUNK rows, one SDPA call. A longer memory goes chunk by chunk with a running
+        log-sum-exp, so that the normed memory, keys and values of at most MEMORY_CHUNK rows exist at once
+        (a 64K-token record's would be ~1 GB per layer); the same softmax up to float rounding.
+        """
+        tokens = memory.shape[1]
+        if tokens <= MEMORY_CHUNK:
+            keys, values = self.keys_values(memory if memory_norm is None else memory_norm(memory))
+            return self.attend(queries, keys, values, mask)
+        width = queries.shape[-1]
+        q = self._heads(F.linear(queries, self.in_proj_weight[:width], self.in_proj_bias[:width]))  # [B, h, L, d]
+        q = q * q.shape[-1] ** -0.5
+        best = q.new_full((*q.shape[:-1], 1), float("-inf"))  # running max score [B, h, L, 1]
+        total = q.new_zeros(best.shape)  # running sum of exp(score - best)
+        out = torch.zeros_like(q)  # running sum of exp(score - best) * value [B, h, L, d]
+        for start in range(0, tokens, MEMORY_CHUNK):
+            part = memory[:, start : start + MEMORY_CHUNK]
+            keys, values = self.keys_values(part if memory_norm is None else memory_norm(part))  # [B, h, c, d]
+            scores = (q @ keys.transpose(-1, -2)).masked_fill(~mask[..., start : start + MEMORY_CHUNK], float("-inf"))
+            new_best = torch.maximum(best, scores.amax(-1, keepdim=True))  # finite: chunk 0 has a real row
+            correction = (best - new_best).exp()
+            weights = (scores - new_best).exp()  # [B, h, L, c]
+            total = total * correction + weights.sum(-1, keepdim=True)
+            out = out * correction + weights @ values
+            best = new_best
+        return self.out_proj((out / total).transpose(1, 2).flatten(2))  # [B, L, w]
+
     def self_attend(self, x: Tensor, mask: Tensor) -> Tensor:
         """x [B, L, w]; mask [B, 1, 1, L] bool."""
         q, k, v = (self._heads(part) for part in F.linear(x, self.in_proj_weight, self.in_proj_bias).chunk(3, -1))
@@ -131,8 +161,7 @@ class _EvidenceLayer(nn.Module):
 
     def forward(self, options: Tensor, memory: Tensor, memory_mask: Tensor) -> Tensor:
         """options [B, O, w]; memory [B, T, w]; memory_mask [B, 1, 1, T] -> [B, O, w]."""
-        keys, values = self.attention.keys_values(self.memory_norm(memory))
-        options = options + self.attention.attend(self.query_norm(options), keys, values, memory_mask)
+        options = options + self.attention.attend_memory(self.query_norm(options), memory, memory_mask, self.memory_norm)
         return options + self.feedforward(self.feedforward_norm(options))
 
 
@@ -152,8 +181,7 @@ class _FieldLayer(nn.Module):
     def forward(self, fields: Tensor, question_mask: Tensor, memory: Tensor, memory_mask: Tensor) -> Tensor:
         """fields [B, Q, w]; question_mask [B, 1, 1, Q]; memory [B, T, w]; memory_mask [B, 1, 1, T]."""
         fields = fields + self.self_attn.self_attend(self.norm1(fields), question_mask)
-        keys, values = self.multihead_attn.keys_values(memory)  # the raw memory, not normed
-        fields = fields + self.multihead_attn.attend(self.norm2(fields), keys, values, memory_mask)
+        fields = fields + self.multihead_attn.attend_memory(self.norm2(fields), memory, memory_mask)  # raw memory
         return fields + self.linear2(F.gelu(self.linear1(self.norm3(fields))))
 
 
