@@ -22,7 +22,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 
 import clef_flash
 from clef_flash.bench import generated_requests, peak_rss_mb
@@ -52,7 +51,8 @@ def median_ms(run, rounds: int) -> tuple[float, list[float]]:
     return statistics.median(times), times
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None, runner=None) -> dict:
+    """`runner`: an already built runner to use (the tests pass their stand-in)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("export", type=Path)
     parser.add_argument("--source", required=True, help="the release or bundle the export came from (the fp32 reference)")
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
 
     start = time.perf_counter()
-    host = CoreMLHost(args.export, runner_for(args))
+    host = CoreMLHost(args.export, runner or runner_for(args))
     model = CoreMLClef(host)
     load_ms = (time.perf_counter() - start) * 1000
     if args.requests_file:

@@ -33,7 +33,7 @@ from clef_flash.model.export import rotary_tables  # noqa: E402
 from clef_flash.model.head_batch import build_head_batch  # noqa: E402
 from clef_flash.model.ops.gated_delta_rule import l2norm, naive_recurrent_gated_delta_rule  # noqa: E402
 from clef_flash.model.ops.static_delta_rule import static_chunk_gated_delta_rule, unit_lower_inverse  # noqa: E402
-from clef_flash.model.precision import FP16, FP32, FP64, PRECISIONS, is_quantized  # noqa: E402
+from clef_flash.model.precision import FP16, FP32, FP64, PRECISIONS, WEIGHT_ONLY, is_quantized  # noqa: E402
 
 BUCKETS = (192, 384)  # the tiny export: two functions, records of up to 384 tokens
 LAYERS_PER_PART = 2  # tiny's 4 layers as 2 parts: [linear, linear], [linear, full] + the final norm
@@ -237,7 +237,7 @@ def test_decoder_weights_are_int8_per_channel_as_our_scheme_and_stored_once(expo
 def test_a_bundle_carries_its_own_int8_values_and_scales(tmp_path, tiny):
     from clef_flash.conversion import convert
 
-    bundle = convert("tiny", tmp_path / "bundle", progress=False)
+    bundle = convert("tiny", tmp_path / "bundle", calibrate=None, progress=False)  # tiny calibrates no outliers
     out = export_coreml(bundle, tmp_path / "export", buckets=(64,), layers_per_part=LAYERS_PER_PART, only_parts=[0], head_questions=2, head_options=4)
     assert out["files"]["part00.mlpackage"] > 0
     manifest = json.loads((tmp_path / "export" / "manifest.json").read_text())
@@ -253,6 +253,27 @@ def test_a_bundle_carries_its_own_int8_values_and_scales(tmp_path, tiny):
             assert rel(torch.from_numpy(op.scale.val[:, 0].astype("float32")), stored.get(name + "_scale")) <= 1e-3
             checked += 1
     assert checked == 2 * 6  # per layer: in_proj_qkv, in_proj_z, out_proj, gate, up, down
+
+
+def test_an_outlier_bundle_linear_exports_as_int8_plus_its_fp32_channels():
+    from clef_flash.checkpoint.quant import Int8Linear
+    from clef_flash.coreml.modules import _dense_linears
+    from clef_flash.model.export import ExportLinear
+
+    gen = torch.Generator().manual_seed(2)
+    holder = torch.nn.Module()
+    holder.proj = Int8Linear(32, 16, WEIGHT_ONLY, outliers=3)
+    weight = torch.randn(16, 32, generator=gen)
+    channels = torch.tensor([1, 7, 30])
+    q, scale = quantize_per_channel(weight.index_fill(1, channels, 0.0))
+    holder.proj.load_state_dict(
+        {"weight": q, "weight_scale": scale, "outlier_channels": channels, "outlier_weight": weight[:, channels]}
+    )
+    x = torch.randn(5, 32, generator=gen) * 10
+    expected = holder.proj(x)
+    _dense_linears(holder)
+    assert isinstance(holder.proj, ExportLinear)
+    assert rel(holder.proj(x), expected) <= 1e-6
 
 
 # -- the host, with the torch twins standing in for Core ML ------------------------------------------------
@@ -287,14 +308,15 @@ def test_loading_an_export_off_macos_says_core_ml_needs_macos(exported):
         clef_flash.load(exported)
 
 
-def test_the_mac_benchmark_runs_end_to_end_with_the_stand_in(exported, tmp_path):
+def test_the_mac_benchmark_runs_end_to_end_with_the_stand_in(exported, model, tmp_path):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import coreml_mac
 
     requests = tmp_path / "requests.jsonl"
     requests.write_text("\n".join(json.dumps(short_request(questions)) for questions in (1, 2, 3)))
     report = coreml_mac.main(
-        [str(exported), "--source", "tiny", "--stand-in", "--requests-file", str(requests), "--rounds", "1", "--json", str(tmp_path / "r.json")]
+        [str(exported), "--source", "tiny", "--stand-in", "--requests-file", str(requests), "--rounds", "1", "--json", str(tmp_path / "r.json")],
+        runner=model.host.runner,  # the same stand-in, already traced
     )
     assert report["quality_vs_fp32"]["answers_differing"] == 0 and report["quality_vs_fp32"]["questions"] == 6
     assert report["speed"]["one_record_ms"] > 0 and json.loads((tmp_path / "r.json").read_text())["parts"] == 2

@@ -55,7 +55,7 @@ def trace(module: torch.nn.Module, example: Sequence[torch.Tensor]) -> torch.jit
     """`torch.jit.trace` of an export twin at one fixed shape (its shape checks are Python: silence their warnings)."""
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
-        return torch.jit.trace(module, tuple(example))
+        return torch.jit.trace(module, tuple(example), check_trace=False)
 
 
 def part_example(config: TextConfig, bucket: int) -> tuple[torch.Tensor, ...]:
