@@ -40,7 +40,6 @@ from .host import numpy_dtype
 from .modules import build_head, build_part, part_layers
 
 TABLE_ROWS_AT_ONCE = 8192  # rows converted to fp16 at a time while writing a table
-CONST_FOLD_LIMIT = 1 << 14  # larger computed constants (causal masks of long buckets) stay ops, not weights
 
 
 def coremltools():
@@ -70,8 +69,6 @@ def head_example(hidden_size: int, bucket: int, questions: int, options: int) ->
 
 def _convert(ct, traced, shapes: dict[str, tuple[int, ...]], output: str, dtype: torch.dtype):
     precision = ct.precision.FLOAT16 if dtype == COREML_PART_DTYPE else ct.precision.FLOAT32
-    pipeline = ct.PassPipeline.DEFAULT
-    pipeline.set_options("common::const_elimination", {"skip_const_by_size": str(CONST_FOLD_LIMIT)})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return ct.convert(
@@ -81,7 +78,6 @@ def _convert(ct, traced, shapes: dict[str, tuple[int, ...]], output: str, dtype:
             convert_to="mlprogram",
             compute_precision=precision,
             minimum_deployment_target=ct.target.macOS15,
-            pass_pipeline=pipeline,
             skip_model_load=True,
         )
 
@@ -134,12 +130,13 @@ def export_coreml(
     head_questions: int = layout.HEAD_QUESTIONS,
     head_options: int = layout.HEAD_OPTIONS,
     only_parts: Sequence[int] | None = None,
+    tables: bool | None = None,
     overwrite: bool = False,
     log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Export `source` (a release, an 8-bit bundle, "tiny" or "random:NAME") to `destination`; returns a report
-    (seconds and bytes per file, peak RSS). `only_parts` (benchmarks): export those parts only, and not the tables
-    (the export is then partial and says so in its manifest)."""
+    (seconds and bytes per file, peak RSS). `only_parts` (benchmarks): export those parts only (the export is then
+    partial and says so in its manifest); `tables`: write the fp16 tables (default: unless `only_parts`)."""
     ct = coremltools()
     log = log or (lambda message: None)
     buckets = layout.check_buckets(list(buckets))
@@ -172,7 +169,7 @@ def export_coreml(
             output=layout.HEAD_OUTPUT, dtype=COREML_HEAD_DTYPE, quantized=[],
         )  # fmt: skip
 
-        if only_parts is None:
+        if tables if tables is not None else only_parts is None:
             for file, name in ((layout.EMBEDDINGS, DECODER_PREFIX + EMBEDDING), (layout.OUTPUT_EMBEDDINGS, LM_HEAD)):
                 began = time.perf_counter()
                 _write_table(checkpoint.tensors.get(name), staging / file)
