@@ -165,7 +165,7 @@ def test_interrupted_conversion_leaves_no_valid_looking_bundle(tiny_dir, tmp_pat
 def test_killed_conversion_leaves_only_a_staging_directory_that_does_not_load(tiny_dir, tmp_path, monkeypatch):
     """SIGKILL cannot be cleaned up after: what is left has no manifest and is refused."""
     monkeypatch.setattr(bundle_module.shutil, "rmtree", lambda *args, **kwargs: None)  # as if killed: no cleanup
-    monkeypatch.setattr(bundle_module, "_write_json_durably", lambda path, value: (_ for _ in ()).throw(SystemExit))
+    monkeypatch.setattr(bundle_module, "write_json_durably", lambda path, value: (_ for _ in ()).throw(SystemExit))
     with pytest.raises(SystemExit):
         convert(tiny_dir, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()

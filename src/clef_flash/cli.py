@@ -30,6 +30,7 @@ from typing import Any, Sequence
 
 from .console import bar
 from .errors import ClefError, RequestInvalid
+from .coreml.layout import DEFAULT_BUCKETS, HEAD_OPTIONS, HEAD_QUESTIONS
 from .model.precision import PRECISION_CHOICES
 
 
@@ -154,6 +155,33 @@ def command_convert(args: argparse.Namespace) -> int:
         f"{time.perf_counter() - start:.1f} s, checksums verified)"
     )
     return 0
+
+
+def command_export_coreml(args: argparse.Namespace) -> int:
+    from .coreml.export import export_coreml
+
+    report = export_coreml(
+        args.source,
+        args.destination,
+        buckets=args.buckets,
+        head_questions=args.head_questions,
+        head_options=args.head_options,
+        overwrite=args.overwrite,
+        log=lambda message: print(message, file=sys.stderr),
+    )
+    sizes = ", ".join(f"{name} {size / 1e6:,.1f} MB" for name, size in report["files"].items())
+    print(
+        f"wrote the Core ML packages to {args.destination} ({sizes}; {report['seconds']['total']:.1f} s, "
+        f"peak RSS {report['peak_rss_mb']:,} MB). Run them on a Mac: clef-flash answer --model {args.destination} ..."
+    )
+    return 0
+
+
+def bucket_list(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"buckets are comma-separated token counts, e.g. 256,512,1024; got {text!r}") from None
 
 
 def load_model(args: argparse.Namespace, **options: Any):
@@ -512,6 +540,29 @@ EVALUATIONS = (
     ),
 )
 
+EXPORTS = (
+    Command(
+        "coreml",
+        "the Core ML packages of the port (decoder parts, head, fp16 tables) from a release or an 8-bit bundle",
+        command_export_coreml,
+        (
+            arg("source", help="release directory, 8-bit bundle, Hugging Face repo id, tiny or random:NAME"),
+            arg("destination", help="the export directory to write"),
+            arg(
+                "--buckets",
+                type=bucket_list,
+                default=list(DEFAULT_BUCKETS),
+                help=f"sequence lengths, one function each (default {','.join(map(str, DEFAULT_BUCKETS))})",
+            ),
+            arg("--head-questions", type=positive_int, default=HEAD_QUESTIONS, help=f"the head's questions (default {HEAD_QUESTIONS})"),
+            arg("--head-options", type=positive_int, default=HEAD_OPTIONS, help=f"the head's options in all (default {HEAD_OPTIONS})"),
+            arg("--overwrite", action="store_true", help="replace an existing destination"),
+        ),
+        description="Streams the source part by part (needs coremltools: pip install -e '.[coreml]'). Converting runs "
+        "anywhere; running the packages needs macOS (clef-flash answer --model DESTINATION ...).",
+    ),
+)
+
 COMMANDS = (
     Command(
         "info",
@@ -644,6 +695,7 @@ COMMANDS = (
             arg("--no-calibrate", action="store_true", help="no calibration: plain per-token int8 activations (W8A8 is then not the default)"),
         ),
     ),
+    Command("export", "export for another runtime: coreml", subcommands=EXPORTS, subcommands_dest="format"),
 )
 
 

@@ -27,6 +27,7 @@ from .prefill import DEFAULT_SEGMENT_TOKENS, run_segments
 from .state_cache import MEBIBYTE, CachedState, StateCache, default_state_cache_mb
 from .machine import rates as machine_rates
 from .checkpoint.quant import INT_MM
+from .coreml.layout import is_export
 from .model.precision import W8A8, Precision, dense_dtype_for, resolve_precision
 from .request.answers import shape_response
 from .request.protocol import DEFAULT_MODEL_NAME, SystemOneRequest, parse_request
@@ -463,7 +464,10 @@ def load(
     `segment_tokens`: the most tokens of a record one decoder step runs (prefill.py). `state_cache_mb`:
     the bound of the state cache (state_cache.py); None: an eighth of this machine's memory, at most
     4 GiB; 0: off (records of one call still share their states).
+    A Core ML export directory (`clef-flash export coreml`) loads as a `CoreMLClef` (macOS only).
     """
+    if is_export(source):  # a Core ML export (clef-flash export coreml): macOS only
+        return CoreMLClef.open(source, precision=precision, max_length=max_length, verify=verify)
     checkpoint = open_checkpoint(source, revision=revision, verify=verify)
     resolved_device = pick_device(device)
     policy = precision_for(checkpoint, resolved_device, precision)
@@ -484,3 +488,58 @@ def load(
         segment_tokens=segment_tokens,
         state_cache_mb=state_cache_mb,
     )
+
+
+class CoreMLClef(Clef):
+    """A Clef over the Core ML packages (clef_flash/coreml/): the same requests and answers, one record per
+    prediction through the parts and the head. Records that do not fit the export's buckets or head shape
+    are refused in `prepare`, before any inference."""
+
+    def __init__(self, host: Any, *, max_length: int = DEFAULT_MAX_LENGTH):
+        self.host = host
+        self.checkpoint = None
+        self.parts = None
+        self.tokenizer = host.tokenizer
+        self.device = torch.device("cpu")
+        self.precision_policy = host.precision
+        self.max_length = max_length
+        self.batch_tokens = host.max_tokens
+        self.model_name = DEFAULT_MODEL_NAME
+        self.last_timings = Timings()
+        self.state_cache = StateCache(0, f"coreml|{host.root}")  # off: a record runs whole, as exported
+        self.segment_tokens = self.keep_from_tokens = 0
+
+    @classmethod
+    def open(cls, root: Any, *, precision: str | None = None, max_length: int = DEFAULT_MAX_LENGTH, verify: bool = False, runner: Any = None) -> CoreMLClef:
+        """`root` with Core ML (`MLModelRunner`, macOS) or another runner (`coreml.runners.TorchRunner`)."""
+        from .coreml.host import CoreMLHost
+        from .coreml.runners import MLModelRunner
+
+        if precision is not None:
+            raise ClefError(f"{root} is a Core ML export: it runs as exported (8-bit weights, fp16); leave precision unset")
+        return cls(CoreMLHost(root, runner or MLModelRunner(root), verify=verify), max_length=max_length)
+
+    @property
+    def source(self) -> str:
+        return str(self.host.root)
+
+    @property
+    def is_random(self) -> bool:
+        return "clef_flash_random" in self.host.layout.config["release_config"]
+
+    def prepare(self, request: Any) -> Prepared:
+        prepared = super().prepare(request)
+        self.host.check(prepared.record)
+        return prepared
+
+    def score(self, records: Sequence[EncodedRecord], timings: Timings | None = None) -> list[list[QuestionResult]]:
+        timings = timings if timings is not None else Timings()
+        results = []
+        for record in records:
+            results.append([QuestionResult(*scored) for scored in self.host.score(record)])
+            timings.decoder_ms += self.host.last_timings["decoder_ms"]
+            timings.head_ms += self.host.last_timings["head_ms"]
+            timings.forwards += 1
+        timings.records += len(records)
+        timings.tokens += sum(record.token_count for record in records)
+        return results

@@ -42,6 +42,8 @@ from .safetensors_io import (
     ShapesOnly,
     StreamedSafetensors,
     sha256_of,
+    staged_directory,
+    write_json_durably,
     write_safetensors,
 )
 from .sources import HEAD_CONFIG, HEAD_WEIGHTS, Checkpoint, config_fingerprint, read_json, release_files, resolve_source
@@ -124,10 +126,7 @@ def convert(
     ]
     total_bytes = sum(planned.nbytes for plan in plans.values() for planned in plan)
 
-    staging = destination.parent / f".{destination.name}.converting-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    try:
+    with staged_directory(destination, "converting") as staging:
         files: dict[str, dict[str, object]] = {}
         with ProgressBar(total_bytes, "converting", unit="B", enabled=progress) as meter:
             for file, plan in plans.items():
@@ -185,13 +184,7 @@ def convert(
                 for planned in plan
             },
         }
-        _write_json_durably(staging / MANIFEST, manifest)  # last: its presence marks a complete bundle
-        if destination.exists():
-            shutil.rmtree(destination)
-        staging.rename(destination)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        write_json_durably(staging / MANIFEST, manifest)  # last: its presence marks a complete bundle
     return destination
 
 
@@ -206,13 +199,6 @@ def _check(checkpoint: Checkpoint) -> None:
         checkpoint, tensors=ShapesOnly(checkpoint.tensors), head_tensors=ShapesOnly(checkpoint.head_tensors)
     )
     build_model(shapes, PRECISIONS["int8-weight-only"], torch.device("meta"))
-
-
-def _write_json_durably(path: Path, value: object) -> None:
-    with open(path, "w") as file:
-        json.dump(value, file, indent=1, ensure_ascii=False)
-        file.flush()
-        os.fsync(file.fileno())
 
 
 # -- loading -----------------------------------------------------------------------------------------

@@ -9,20 +9,24 @@
   shards through `safe_open`, memory-mapped), `MappedSafetensors` (one file as views of one private
   memory map: nothing read until touched), `StreamedSafetensors` (plain reads into fresh buffers:
   memory stays one tensor deep, for conversion).
+- `staged_directory` and `write_json_durably`: what a written directory (a bundle, a Core ML export) is made
+  with, so that an interrupted write never leaves one that looks complete.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
 import json
 import mmap
 import os
+import shutil
 import struct
 import sys
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -314,3 +318,27 @@ def sha256_of(path: Path, chunk: int = 1 << 24) -> str:
         while block := file.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def staged_directory(destination: Path, purpose: str) -> Iterator[Path]:
+    """A hidden staging directory beside `destination`, renamed to it when the block completes (replacing
+    what was there) and removed when the block fails."""
+    staging = destination.parent / f".{destination.name}.{purpose}-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        yield staging
+        if destination.exists():
+            shutil.rmtree(destination)
+        staging.rename(destination)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def write_json_durably(path: Path, value: object) -> None:
+    with open(path, "w") as file:
+        json.dump(value, file, indent=1, ensure_ascii=False)
+        file.flush()
+        os.fsync(file.fileno())

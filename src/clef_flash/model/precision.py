@@ -50,6 +50,12 @@ HIGH_PRECISION_PARAMETERS = ("A_log", "dt_bias")
 W8A8_WEIGHT_ONLY = ("down_proj", "out_proj", "o_proj")
 HEAD_DTYPE = FP32
 BUNDLE_EMBEDDING_DTYPE = BF16  # input and output embeddings in an 8-bit bundle
+# Core ML export (clef_flash/coreml/): the twins are traced in fp32; Core ML computes the decoder parts in
+# fp16 on int8 weights (`is_quantized`'s tensors; the rest fp16), the head in fp32; the host's tables are fp16.
+EXPORT_DTYPE = FP32
+COREML_PART_DTYPE = FP16
+COREML_HEAD_DTYPE = FP32
+COREML_TABLE_DTYPE = FP16
 
 
 def is_quantized(name: str, shape: tuple[int, ...], keep: tuple[str, ...] | None = None) -> bool:

@@ -1,0 +1,79 @@
+"""The export twins filled from a checkpoint, one part at a time (what the exporter and the torch stand-in trace).
+
+A part holds only its own layers' tensors: the exporter streams the decoder part by part. From an 8-bit
+bundle the projections are dequantized (`q * scale`, exact in fp32) so that Core ML's per-channel quantizer
+finds the bundle's own int8 values and scales again; a calibrated bundle's outlier channels stay beside them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from ..checkpoint import Checkpoint
+from ..checkpoint.loading import DECODER_PREFIX, fill_module, meta_modules
+from ..checkpoint.quant import Int8Linear, dequantize, replace_linears
+from ..model.config import TextConfig
+from ..model.export import ExportHead, ExportLinear, ExportPart
+from ..model.joint_head import HeadConfig, JointHead
+from ..model.precision import EXPORT_DTYPE, OUTLIER_CHANNELS, PRECISIONS, WEIGHT_ONLY
+from ..model.qwen3_5 import DecoderLayer, RMSNorm
+
+CPU = torch.device("cpu")
+
+
+def part_layers(config: TextConfig, layers_per_part: int) -> list[list[int]]:
+    """The decoder's layers, `layers_per_part` to a part (the port: 8 parts of 4)."""
+    count = config.num_hidden_layers
+    return [list(range(first, min(first + layers_per_part, count))) for first in range(0, count, layers_per_part)]
+
+
+def build_part(checkpoint: Checkpoint, config: TextConfig, layers: Sequence[int], *, final_norm: bool) -> ExportPart:
+    """An `ExportPart` of `layers` (+ the final norm), filled in fp32 from the checkpoint's tensors."""
+    with meta_modules():
+        modules = {index: DecoderLayer(config, config.layer_types[index]) for index in layers}
+        norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if final_norm else None
+    part = ExportPart(modules, norm)
+    tensors = checkpoint.tensors
+    precision = PRECISIONS["int8-weight-only" if checkpoint.stored_int8 else "fp32"]
+    if checkpoint.stored_int8:
+        suffix = "." + OUTLIER_CHANNELS
+        outliers = {
+            name[len(DECODER_PREFIX) : -len(suffix)]: tensors.shape(name)[0]
+            for name in tensors.keys()
+            if name.startswith(DECODER_PREFIX) and name.endswith(suffix)
+        }
+        replace_linears(part, WEIGHT_ONLY, outliers=outliers)
+    fill_module(
+        part,
+        ((name, tensors.get(DECODER_PREFIX + name)) for name in part.state_dict()),
+        dtype_of=precision.dtype_of,
+        device=CPU,
+    )
+    if checkpoint.stored_int8:
+        _dense_linears(part)
+    return part.to(EXPORT_DTYPE).eval()
+
+
+def _dense_linears(module: nn.Module) -> None:
+    """Each `Int8Linear` becomes an `ExportLinear` holding its dequantized weight (and outlier channels)."""
+    for parent in list(module.modules()):
+        for child_name, child in list(parent.named_children()):
+            if isinstance(child, Int8Linear):
+                weight = dequantize(child.weight, child.weight_scale, EXPORT_DTYPE)
+                setattr(parent, child_name, ExportLinear(weight, child.outlier_channels, child.outlier_weight))
+
+
+def build_head(checkpoint: Checkpoint) -> ExportHead:
+    """The joint head in fp32, wrapped for export."""
+    with meta_modules():
+        head = JointHead(HeadConfig.from_dict(checkpoint.head_config))
+    fill_module(
+        head,
+        ((name, checkpoint.head_tensors.get(name)) for name in head.state_dict()),
+        dtype_of=PRECISIONS["fp32"].head_dtype_of,
+        device=CPU,
+    )
+    return ExportHead(head).eval()

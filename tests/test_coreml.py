@@ -1,0 +1,322 @@
+"""The Core ML export (clef_flash/coreml/) on Linux: twins, packages, host, refusals.
+
+What runs here: the export twins (model/export.py) against our decoder and head; a tiny export written by
+coremltools, read back through `MLModel(..., skip_model_load=True)` and its MIL program (functions, shapes,
+dtypes, int8 weights and scales, weights stored once); the host with the traced torch twins standing in for
+Core ML, against our fp32 engine; the refusals; benchmarks/coreml_mac.py end to end. What only a Mac can
+run: Core ML's own predictions (README, "Core ML").
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ct = pytest.importorskip("coremltools", reason='the Core ML extra is not installed (pip install -e ".[coreml]")')
+
+import clef_flash  # noqa: E402
+from clef_flash.checkpoint import build_model, open_checkpoint  # noqa: E402
+from clef_flash.checkpoint.quant import quantize_per_channel  # noqa: E402
+from clef_flash.coreml import layout  # noqa: E402
+from clef_flash.coreml.export import const_name, export_coreml  # noqa: E402
+from clef_flash.coreml.host import CoreMLHost  # noqa: E402
+from clef_flash.coreml.modules import build_head, build_part, part_layers  # noqa: E402
+from clef_flash.coreml.runners import TorchRunner  # noqa: E402
+from clef_flash.engine import CoreMLClef  # noqa: E402
+from clef_flash.errors import ModelSourceError, RequestInvalid  # noqa: E402
+from clef_flash.model.config import TextConfig  # noqa: E402
+from clef_flash.model.export import rotary_tables  # noqa: E402
+from clef_flash.model.head_batch import build_head_batch  # noqa: E402
+from clef_flash.model.ops.gated_delta_rule import l2norm, naive_recurrent_gated_delta_rule  # noqa: E402
+from clef_flash.model.ops.static_delta_rule import static_chunk_gated_delta_rule, unit_lower_inverse  # noqa: E402
+from clef_flash.model.precision import FP16, FP32, FP64, PRECISIONS, WEIGHT_ONLY, is_quantized  # noqa: E402
+
+BUCKETS = (192, 384)  # the tiny export: two functions, records of up to 384 tokens
+LAYERS_PER_PART = 2  # tiny's 4 layers as 2 parts: [linear, linear], [linear, full] + the final norm
+HEAD_QUESTIONS, HEAD_OPTIONS = 4, 24
+
+
+def rel(actual: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((actual.double() - reference.double()).abs().max() / reference.double().abs().max()).item()
+
+
+def short_request(questions: int = 2, options: int = 3, state: str = "Charged twice, refund please.") -> dict:
+    """A record of ~100-250 tokens (tiny's buckets)."""
+    asked = {"urgent": {"type": "noul", "instructions": "Urgent?"}}
+    if questions > 1:
+        asked["team"] = {"type": "choice", "instructions": "Team?", "criteria": {f"t{i}": None for i in range(options)}}
+    for index in range(2, questions):
+        asked[f"q{index}"] = {"type": "score", "instructions": "How?", "criteria": ["low", "high"]}
+    return {"model": "clef-flash", "state": state, "questions": asked}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    checkpoint = open_checkpoint("tiny")
+    return checkpoint, TextConfig.from_release_config(checkpoint.config)
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("coreml") / "tiny-coreml"
+    export_coreml(
+        "tiny", out, buckets=BUCKETS, layers_per_part=LAYERS_PER_PART, head_questions=HEAD_QUESTIONS, head_options=HEAD_OPTIONS
+    )
+    return out
+
+
+@pytest.fixture(scope="module")
+def model(exported) -> CoreMLClef:
+    return CoreMLClef.open(exported, runner=TorchRunner("tiny", layout.read_export(exported)))
+
+
+# -- the twins ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("T", [1, 63, 64, 65, 130])
+def test_static_delta_rule_equals_the_token_recurrence(T):
+    gen = torch.Generator().manual_seed(T)
+    q = l2norm(torch.randn(2, T, 3, 16, generator=gen, dtype=FP64)) * 16**-0.5
+    k = l2norm(torch.randn(2, T, 3, 16, generator=gen, dtype=FP64))
+    v = torch.randn(2, T, 6, 12, generator=gen, dtype=FP64)
+    g = -torch.rand(2, T, 6, generator=gen, dtype=FP64) * (40.0 if T == 130 else 1.0)  # strong decay at 130
+    beta = torch.rand(2, T, 6, generator=gen, dtype=FP64)
+    reference, _ = naive_recurrent_gated_delta_rule(q, k, v, g, beta)
+    error = rel(static_chunk_gated_delta_rule(q, k, v, g, beta), reference)
+    print(f"T={T}: static chunks vs recurrence, float64: {error:.1e}")
+    assert error <= 1e-12
+
+
+def test_block_recursive_inverse():
+    strict = torch.randn(5, 64, 64, dtype=FP64).tril(-1) * 0.3
+    eye = torch.eye(64, dtype=FP64)
+    assert (unit_lower_inverse(strict) @ (eye + strict) - eye).abs().max() <= 1e-12
+    with pytest.raises(ValueError, match="power-of-two"):
+        unit_lower_inverse(torch.zeros(3, 3))
+
+
+def test_parts_chained_over_padded_records_equal_the_decoder(tiny):
+    checkpoint, config = tiny
+    decoder = build_model(checkpoint, PRECISIONS["fp32"], torch.device("cpu")).decoder
+    plan = part_layers(config, LAYERS_PER_PART)
+    parts = [build_part(checkpoint, config, layers, final_norm=index == len(plan) - 1) for index, layers in enumerate(plan)]
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for length, bucket in ((1, 64), (100, 128), (200, 256)):
+            ids = torch.randint(0, config.vocab_size, (1, length), generator=gen)
+            reference = decoder(ids)  # [1, n, D]
+            results = {}
+            for dtype in (FP32, FP16):
+                hidden = torch.zeros(1, bucket, config.hidden_size, dtype=dtype)
+                hidden[:, :length] = decoder.embed_tokens(ids).to(dtype)
+                cos, sin = rotary_tables(config, bucket, dtype)
+                for part in parts:
+                    hidden = part.to(dtype)(hidden, cos, sin)
+                results[dtype] = rel(hidden[:, :length], reference)
+            print(f"n={length} padded to {bucket}: fp32 {results[FP32]:.1e}, fp16 (Core ML's compute) {results[FP16]:.1e}")
+            assert results[FP32] <= 1e-4
+            assert results[FP16] <= 0.25  # reported; the fp16 error of tiny random layers (README)
+            for part in parts:
+                part.to(FP32)
+
+
+def test_export_head_with_host_matrices_equals_the_head(tiny, exported):
+    checkpoint, config = tiny
+    parts = build_model(checkpoint, PRECISIONS["fp32"], torch.device("cpu"))
+    export_head = build_head(checkpoint)
+    host = CoreMLHost(exported, runner=None)  # only its input builders
+    encoder = clef_flash.load("tiny", precision="fp32")
+    gen = torch.Generator().manual_seed(1)
+    for questions, options in ((1, 2), (2, 7), (4, 6)):  # up to the head's shape: 4 questions (of 4)
+        record = encoder.encode(short_request(questions, options))
+        n = record.token_count
+        bucket = host.bucket_for(n)
+        hidden = torch.randn(1, n, config.hidden_size, generator=gen)
+        batch = build_head_batch([record])
+        table = host.output_embeddings.to(FP32)
+        with torch.no_grad():
+            reference = parts.head(hidden, torch.tensor([n]), batch, table)  # [No]
+            states = torch.zeros(bucket, config.hidden_size)
+            states[:n] = hidden[0]
+            inputs = host.head_inputs(record, bucket, states)
+            logits = export_head(*(inputs[name] for name in layout.HEAD_INPUTS))
+        error = rel(logits[: batch.num_options], reference)
+        print(f"{questions} questions, {batch.num_options} options, L{bucket}: export head vs head, fp32: {error:.1e}")
+        assert error <= 1e-5
+        assert (logits[batch.num_options :] < -5e3).all()  # padding options carry the mask
+
+
+# -- the packages ---------------------------------------------------------------------------------------
+
+
+def read_back(package: Path, function: str):
+    """The MIL program of one function of a saved package (weights read from its weight file)."""
+    from coremltools.converters.mil.frontend.milproto.load import load as milproto_load
+
+    spec = ct.models.MLModel(str(package), skip_model_load=True).get_spec()
+    weights = package / "Data" / "com.apple.CoreML" / "weights"
+    return spec, milproto_load(spec, spec.specificationVersion, str(weights)).functions[function]
+
+
+def test_packages_have_the_ports_layout(exported, tiny):
+    _, config = tiny
+    files = {path.name for path in exported.iterdir()}
+    assert files == {"part00.mlpackage", "part01.mlpackage", "Head.mlpackage", "embeddings.f16", "output_embeddings.f16",
+                     "tokenizer.json", "config.json", "manifest.json"}  # fmt: skip
+    host_config = json.loads((exported / "config.json").read_text())
+    assert host_config["buckets"] == list(BUCKETS) and host_config["head"]["questions"] == HEAD_QUESTIONS
+    assert [part["layers"] for part in host_config["parts"]] == [[0, 1], [2, 3]]
+    layout.read_export(exported, verify=True)  # every file's size and sha256
+    assert (exported / "embeddings.f16").stat().st_size == config.vocab_size * config.hidden_size * 2
+
+    float16 = ct.proto.FeatureTypes_pb2.ArrayFeatureType.FLOAT16
+    float32 = ct.proto.FeatureTypes_pb2.ArrayFeatureType.FLOAT32
+    for package, inputs, output, dtype in (
+        ("part00.mlpackage", layout.PART_INPUTS, layout.PART_OUTPUT, float16),
+        ("Head.mlpackage", layout.HEAD_INPUTS, layout.HEAD_OUTPUT, float32),
+    ):
+        spec = ct.models.MLModel(str(exported / package), skip_model_load=True).get_spec()
+        functions = {function.name: function for function in spec.description.functions}
+        assert list(functions) == [layout.function_name(bucket) for bucket in BUCKETS]
+        assert spec.description.defaultFunctionName == "L192"
+        for bucket in BUCKETS:
+            function = functions[layout.function_name(bucket)]
+            if package == "Head.mlpackage":
+                shapes = layout.head_shapes(bucket, config.hidden_size, HEAD_QUESTIONS, HEAD_OPTIONS)
+            else:
+                shapes = layout.part_shapes(bucket, config.hidden_size, config.rotary_dim)
+            assert [feature.name for feature in function.input] == list(inputs)
+            for feature in function.input:
+                assert tuple(feature.type.multiArrayType.shape) == shapes[feature.name]
+                assert feature.type.multiArrayType.dataType == dtype
+            (out,) = function.output
+            assert out.name == output and out.type.multiArrayType.dataType == dtype
+
+
+def test_decoder_weights_are_int8_per_channel_as_our_scheme_and_stored_once(exported, tiny):
+    checkpoint, _ = tiny
+    package = exported / "part01.mlpackage"
+    part = build_part(checkpoint, TextConfig.from_release_config(checkpoint.config), [2, 3], final_norm=True)
+    state = part.state_dict()
+    quantized = {name for name, tensor in state.items() if is_quantized(name, tuple(tensor.shape))}
+    assert "layers.2.linear_attn.in_proj_qkv.weight" in quantized and "layers.2.linear_attn.in_proj_a.weight" not in quantized
+    for bucket in BUCKETS:
+        _, function = read_back(package, layout.function_name(bucket))
+        constexprs = {op.name: op for op in function.operations if op.op_type == "constexpr_blockwise_shift_scale"}
+        assert {name.removesuffix("_quantized") for name in constexprs} == {const_name(name) for name in quantized}
+        worst = 0.0
+        for name in quantized:
+            op = constexprs[const_name(name) + "_quantized"]
+            data, scale = op.data.val, op.scale.val  # int8 [O, I], fp16 [O, 1]
+            ours_q, ours_scale = quantize_per_channel(state[name])
+            assert str(data.dtype) == "int8" and scale.shape == (ours_q.shape[0], 1) and op.offset is None
+            assert (torch.from_numpy(data.astype("int32")) - ours_q.int()).abs().max() <= 1  # rounding ties only
+            worst = max(worst, rel(torch.from_numpy(scale[:, 0].astype("float32")), ours_scale))
+        print(f"L{bucket}: {len(quantized)} int8 weights; scales vs ours (fp16 rounding): {worst:.1e}")
+        assert worst <= 1e-3
+        # everything else (norms, conv, A_log, dt_bias, in_proj_a / in_proj_b) stays fp16
+        dense = [op.outputs[0].val for op in function.operations if op.op_type == "const" and getattr(op.outputs[0].val, "size", 0) >= 16]
+        assert dense and {str(value.dtype) for value in dense if value.dtype.kind == "f"} == {"float16"}
+    # weights once: the weight file holds one function's constants (int8 weights, fp16 tensors, the chunk
+    # masks), not one copy per function
+    one_function = sum(
+        op.outputs[0].val.nbytes
+        for op in function.operations
+        if op.op_type == "const" and getattr(op.outputs[0].val, "nbytes", 0) >= 512
+    )
+    int8_bytes = sum(state[name].numel() for name in quantized)
+    weight_file = (package / "Data" / "com.apple.CoreML" / "weights" / "weight.bin").stat().st_size
+    print(f"part01: weight.bin {weight_file} B; one function's constants {one_function} B, of which int8 weights {int8_bytes} B")
+    assert int8_bytes <= one_function <= weight_file <= one_function + 16_384  # + 64-byte alignment per blob
+
+
+def test_a_bundle_carries_its_own_int8_values_and_scales(tmp_path, tiny):
+    from clef_flash.conversion import convert
+
+    bundle = convert("tiny", tmp_path / "bundle", calibrate=None, progress=False)  # tiny calibrates no outliers
+    out = export_coreml(bundle, tmp_path / "export", buckets=(64,), layers_per_part=LAYERS_PER_PART, only_parts=[0], head_questions=2, head_options=4)
+    assert out["files"]["part00.mlpackage"] > 0
+    manifest = json.loads((tmp_path / "export" / "manifest.json").read_text())
+    assert manifest["complete"] is False and manifest["weights"]["carried_from"].startswith("the bundle")
+    stored = open_checkpoint(bundle).tensors
+    _, function = read_back(tmp_path / "export" / "part00.mlpackage", "L64")
+    checked = 0
+    for op in function.operations:
+        if op.op_type == "constexpr_blockwise_shift_scale":
+            dotted = ("model.language_model." + op.name.removesuffix("_to_fp16_quantized")).replace("_", ".")
+            name = next(key for key in stored.keys() if key.replace("_", ".") == dotted)
+            assert torch.equal(torch.from_numpy(op.data.val.astype("int32")), stored.get(name).int())
+            assert rel(torch.from_numpy(op.scale.val[:, 0].astype("float32")), stored.get(name + "_scale")) <= 1e-3
+            checked += 1
+    assert checked == 2 * 6  # per layer: in_proj_qkv, in_proj_z, out_proj, gate, up, down
+
+
+def test_an_outlier_bundle_linear_exports_as_int8_plus_its_fp32_channels():
+    from clef_flash.checkpoint.quant import Int8Linear
+    from clef_flash.coreml.modules import _dense_linears
+    from clef_flash.model.export import ExportLinear
+
+    gen = torch.Generator().manual_seed(2)
+    holder = torch.nn.Module()
+    holder.proj = Int8Linear(32, 16, WEIGHT_ONLY, outliers=3)
+    weight = torch.randn(16, 32, generator=gen)
+    channels = torch.tensor([1, 7, 30])
+    q, scale = quantize_per_channel(weight.index_fill(1, channels, 0.0))
+    holder.proj.load_state_dict(
+        {"weight": q, "weight_scale": scale, "outlier_channels": channels, "outlier_weight": weight[:, channels]}
+    )
+    x = torch.randn(5, 32, generator=gen) * 10
+    expected = holder.proj(x)
+    _dense_linears(holder)
+    assert isinstance(holder.proj, ExportLinear)
+    assert rel(holder.proj(x), expected) <= 1e-6
+
+
+# -- the host, with the torch twins standing in for Core ML ------------------------------------------------
+
+
+def test_the_host_answers_as_our_fp32_engine(model):
+    reference = clef_flash.load("tiny", precision="fp32")
+    for request in (short_request(1), short_request(2, 5), short_request(3, 2, state="x " * 60)):
+        record = model.encode(request)
+        ours, theirs = model.logits(request), reference.logits(request)
+        worst = max(abs(ours[q][o] - theirs[q][o]) / max(abs(v) for qs in theirs.values() for v in qs.values())
+                    for q in theirs for o in theirs[q])  # fmt: skip
+        print(f"{record.token_count} tokens (bucket L{model.host.bucket_for(record.token_count)}): logits vs fp32 engine {worst:.1e}")
+        assert worst <= 1e-4
+    body = model.answer(short_request(2))
+    assert set(body["answers"]) == {"urgent", "team"} and body["usage"]["input_tokens"] > 0
+    assert model.precision == "coreml-int8-fp16" and model.is_random
+
+
+def test_refusals_name_the_counts(model):
+    with pytest.raises(RequestInvalid, match=r"needs \d+ tokens, over the largest Core ML bucket of this export \(384"):
+        model.answer(short_request(1, state="word " * 400))
+    with pytest.raises(RequestInvalid, match="5 questions, the Core ML head holds 4"):
+        model.answer(short_request(5, 2))
+    with pytest.raises(RequestInvalid, match="26 options in all, the Core ML head holds 24"):
+        model.answer(short_request(2, 24))
+
+
+@pytest.mark.skipif(sys.platform == "darwin", reason="on macOS the export loads through Core ML")
+def test_loading_an_export_off_macos_says_core_ml_needs_macos(exported):
+    with pytest.raises(ModelSourceError, match="Core ML runs only on macOS"):
+        clef_flash.load(exported)
+
+
+def test_the_mac_benchmark_runs_end_to_end_with_the_stand_in(exported, model, tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import coreml_mac
+
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text("\n".join(json.dumps(short_request(questions)) for questions in (1, 2, 3)))
+    report = coreml_mac.main(
+        [str(exported), "--source", "tiny", "--stand-in", "--requests-file", str(requests), "--rounds", "1", "--json", str(tmp_path / "r.json")],
+        runner=model.host.runner,  # the same stand-in, already traced
+    )
+    assert report["quality_vs_fp32"]["answers_differing"] == 0 and report["quality_vs_fp32"]["questions"] == 6
+    assert report["speed"]["one_record_ms"] > 0 and json.loads((tmp_path / "r.json").read_text())["parts"] == 2
