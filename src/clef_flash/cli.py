@@ -205,6 +205,12 @@ def command_serve(args: argparse.Namespace) -> int:
         batch_wait_ms=args.batch_wait_ms,
         max_batch=args.max_batch,
         max_queue=args.max_queue,
+        max_parsing_bytes=args.max_parsing_bytes,
+        request_timeout_s=args.request_timeout,
+        header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout,
+        max_connections=args.max_connections,
+        shutdown_timeout_s=args.shutdown_timeout,
     )
     return 0
 
@@ -547,6 +553,24 @@ COMMANDS = (
             arg("--batch-wait-ms", type=float, default=5.0, help="how long a request waits for others to batch with (default 5)"),
             arg("--max-batch", type=int, default=64, help="records per batch (default 64; 1 turns batching off)"),
             arg("--max-queue", type=int, default=256, help="queued records before 429 + Retry-After (default 256)"),
+            arg(
+                "--max-parsing-bytes",
+                type=int,
+                default=8 << 20,
+                help="bytes of bodies being read, parsed and tokenized at once, before 429 + Retry-After; "
+                "what bounds memory (default 8 MiB; at least twice --max-body-bytes)",
+            ),
+            arg("--request-timeout", type=float, default=300.0, metavar="S", help="the longest a request waits for the model, then 503 (default 300)"),
+            arg("--header-timeout", type=float, default=10.0, metavar="S", help="a request's headers must arrive within this, else 408 and close (default 10)"),
+            arg("--body-timeout", type=float, default=30.0, metavar="S", help="a request's body must arrive within this after its headers, else close (default 30)"),
+            arg("--max-connections", type=positive_int, default=1024, help="open connections; one more gets 503 (default 1024)"),
+            arg(
+                "--shutdown-timeout",
+                type=float,
+                default=30.0,
+                metavar="S",
+                help="after SIGTERM, queued requests may finish for this long; then they get 503 and the process exits (default 30)",
+            ),
             arg("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="default info"),
         ),
     ),
