@@ -67,13 +67,31 @@ def parse_question_spec(spec: str) -> tuple[str, dict[str, Any]]:
     return question_id, {"type": "choice", "instructions": instructions, "criteria": criteria}
 
 
+def decode_utf8(data: bytes, where: str) -> str:
+    """`data` as text, or one line naming `where` and the byte offset of the first bad byte."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ClefError(
+            f"{where} is not UTF-8 text: byte 0x{data[error.start]:02x} at offset {error.start} ({error.reason}); "
+            "convert it first, e.g. iconv -f latin1 -t utf-8"
+        ) from None
+
+
+def read_stdin() -> str:
+    if sys.stdin.isatty():
+        raise ClefError("no request: give a JSON file, pipe one on stdin, or use --state and --question")
+    stream = getattr(sys.stdin, "buffer", None)  # bytes: the locale's decoding would hide the offset
+    return decode_utf8(stream.read(), "stdin") if stream is not None else sys.stdin.read()
+
+
 def read_request(args: argparse.Namespace) -> Any:
     """The request body from --state/--question flags, a file, or stdin."""
     if args.state is not None or args.state_file is not None or args.question:
         if args.request:
             raise ClefError("give either a request file or --state/--question flags, not both")
         if args.state_file is not None:
-            state: Any = Path(args.state_file).read_text()
+            state: Any = decode_utf8(Path(args.state_file).read_bytes(), args.state_file)
         elif args.state is not None:
             state = args.state
         else:
@@ -86,14 +104,12 @@ def read_request(args: argparse.Namespace) -> Any:
         path = Path(args.request)
         if not path.is_file():
             raise ClefError(f"no request file at {path}")
-        text, where = path.read_text(), str(path)
+        text, where = decode_utf8(path.read_bytes(), str(path)), str(path)
     else:
-        if sys.stdin.isatty():
-            raise ClefError("no request: give a JSON file, pipe one on stdin, or use --state and --question")
-        text, where = sys.stdin.read(), "stdin"
+        text, where = read_stdin(), "stdin"
     try:
         return json.loads(text)
-    except json.JSONDecodeError as exc:
+    except ValueError as exc:  # not JSON, or an integer past Python's digit limit
         raise ClefError(f"{where} is not JSON: {exc}") from exc
 
 
@@ -171,10 +187,33 @@ def load_model(args: argparse.Namespace, **options: Any):
     )
 
 
+def answer_truncating(model: Any, request: Any) -> dict[str, Any]:
+    """`model.answer`, with the state's tail cut to fit the token limit (said on stderr)."""
+    from .engine import Prepared, Timings
+
+    start = time.perf_counter()
+    timings = Timings()
+    parsed = model.parse(request)
+    prepared = Prepared(parsed, model.encode(parsed, truncate_state=True))
+    timings.tokenize_ms = (time.perf_counter() - start) * 1000
+    (results,) = model.score([prepared.record], timings)
+    timings.total_ms = (time.perf_counter() - start) * 1000
+    model.last_timings = timings
+    record = prepared.record
+    print(
+        f"--truncate-state: cut {record.state_tokens_dropped} tokens from the state's end "
+        f"(kept {record.state_tokens}; {record.token_count} of {model.max_length} in all)",
+        file=sys.stderr,
+    )
+    return model.respond(prepared, results)
+
+
 def command_answer(args: argparse.Namespace) -> int:
+    from .request.records import DEFAULT_MAX_LENGTH
+
     request = read_request(args)
-    model = load_model(args)
-    body = model.answer(request)
+    model = load_model(args, max_length=args.max_length or DEFAULT_MAX_LENGTH)
+    body = answer_truncating(model, request) if args.truncate_state else model.answer(request)
     if args.json or (not sys.stdout.isatty() and not args.table):
         output = dict(body)
         if args.timings:
@@ -223,7 +262,8 @@ def command_render(args: argparse.Namespace) -> int:
 
     request = parse_request(read_request(args))
     tokenizer = Tokenizer.from_file(resolve_source(args.model, revision=args.revision) / "tokenizer.json")
-    record = encode_record(tokenizer, request, max_length=args.max_length or DEFAULT_MAX_LENGTH)
+    limit = args.max_length or DEFAULT_MAX_LENGTH
+    record = encode_record(tokenizer, request, max_length=limit, truncate_state=args.truncate_state)
     ids = record.input_ids
     marks: dict[int, list[str]] = {}
     for question in record.questions:
@@ -240,9 +280,9 @@ def command_render(args: argparse.Namespace) -> int:
         cursor = position
     pieces.append(tokenizer.decode(ids[cursor:]))
     print("".join(pieces))
-    limit = args.max_length or DEFAULT_MAX_LENGTH
+    cut = f" ({record.state_tokens_dropped} cut from its end)" if args.truncate_state else ""
     print(
-        f"\n--- tokens: prefix {record.prefix_tokens}, state {record.state_tokens}, schema {record.schema_tokens}, "
+        f"\n--- tokens: prefix {record.prefix_tokens}, state {record.state_tokens}{cut}, schema {record.schema_tokens}, "
         f"suffix {record.suffix_tokens}; total {record.token_count} of {limit}",
         file=sys.stderr,
     )
@@ -430,6 +470,13 @@ REQUEST_ARGUMENTS = (
     ),
 )
 
+TRUNCATE_STATE = arg(
+    "--truncate-state",
+    action="store_true",
+    help="cut the state's end to fit the token limit, as the reference does (says how many tokens were cut); "
+    "without it an over-long record is refused",
+)
+
 MODEL_ARGUMENTS = (
     arg(
         "--model",
@@ -525,13 +572,15 @@ COMMANDS = (
             arg("--json", action="store_true", help="print the System One response body"),
             arg("--table", action="store_true", help="print the readable table even when piped"),
             arg("--timings", action="store_true", help="add tokenize / decoder / head / total milliseconds"),
+            arg("--max-length", type=positive_int, help="token limit per record (default 65536)"),
+            TRUNCATE_STATE,
         ),
     ),
     Command(
         "render",
         "show the rendered prompt with question and option spans marked",
         command_render,
-        (*REQUEST_ARGUMENTS, *MODEL_ARGUMENTS, arg("--max-length", type=int, help="token limit (default 65536)")),
+        (*REQUEST_ARGUMENTS, *MODEL_ARGUMENTS, arg("--max-length", type=int, help="token limit (default 65536)"), TRUNCATE_STATE),
     ),
     Command(
         "serve",
