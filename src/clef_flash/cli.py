@@ -317,19 +317,23 @@ def command_batch(args: argparse.Namespace) -> int:
     return 0
 
 
-def write_report(args: argparse.Namespace, report: dict[str, Any], markdown: str, png: bytes | None = None) -> None:
-    """The Markdown report on stdout; with --out, report.json, report.md (and the PNG) in that directory."""
+def write_report(args: argparse.Namespace, report: dict[str, Any], markdown: str, figure: tuple[str, Callable[[], Any]]) -> None:
+    """The Markdown report on stdout; with --out, report.json, report.md and the figure (file name,
+    a function drawing it) in that directory."""
+    from . import plots
     from .evaluate import write_reports
 
     print(markdown, end="")
     if args.out:
-        written = write_reports(args.out, report, markdown, png)
+        name, draw = figure
+        written = write_reports(args.out, report, markdown, {name: plots.png(draw())})
         print(f"wrote {', '.join(str(path) for path in written)}", file=sys.stderr)
 
 
 def command_eval_agreement(args: argparse.Namespace) -> int:
     from .engine import load
     from .evaluate import agreement_markdown, evaluate_agreement
+    from .plots import agreement_figure
 
     report = evaluate_agreement(
         args.requests,
@@ -339,17 +343,16 @@ def command_eval_agreement(args: argparse.Namespace) -> int:
         ),
         near_tie=args.near_tie,
     )
-    write_report(args, report, agreement_markdown(report))
+    write_report(args, report, agreement_markdown(report), ("agreement.png", lambda: agreement_figure(report)))
     return 0
 
 
 def command_eval_labelled(args: argparse.Namespace) -> int:
-    from .evaluate import evaluate_labelled, labelled_markdown, reliability_png
+    from .evaluate import evaluate_labelled, labelled_markdown
+    from .plots import reliability_figure
 
-    report = evaluate_labelled(
-        args.file, lambda: load_model(args)
-    )
-    write_report(args, report, labelled_markdown(report), reliability_png(report["reliability"]))
+    report = evaluate_labelled(args.file, lambda: load_model(args))
+    write_report(args, report, labelled_markdown(report), ("reliability.png", lambda: reliability_figure(report["reliability"])))
     return 0
 
 
@@ -408,8 +411,15 @@ def command_bench(args: argparse.Namespace) -> int:
         model = load_model(args)
     if requests is None:
         requests = generated_requests(model, records=args.records, tokens=args.tokens, seed=args.seed)
-    result = bench(model, requests, batch_size=args.batch_size)
-    print(json.dumps(result) if args.json else format_bench(result))
+    results = []
+    for batch_size in args.batch_size:
+        results.append(bench(model, requests, batch_size=batch_size))
+        print(json.dumps(results[-1]) if args.json else format_bench(results[-1]), flush=True)
+    if args.plot:
+        from .plots import bench_figure, png
+
+        Path(args.plot).write_bytes(png(bench_figure(results)))
+        print(f"wrote {args.plot}", file=sys.stderr)
     return 0
 
 
@@ -418,6 +428,11 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1; got {value}")
     return value
+
+
+def positive_ints(text: str) -> list[int]:
+    """`4` or `1,2,4,8`."""
+    return [positive_int(part) for part in text.split(",") if part.strip()]
 
 
 # -- the parser, built from the tables below -----------------------------------------------------
@@ -523,7 +538,7 @@ EVALUATIONS = (
                 default=0.05,
                 help="a differing answer is a near-tie when the reference's top-2 margin is below this (default 0.05)",
             ),
-            arg("--out", help="write report.json and report.md into this directory"),
+            arg("--out", help="write report.json, report.md and agreement.png (|dp| distribution) into this directory"),
         ),
     ),
     Command(
@@ -657,7 +672,13 @@ COMMANDS = (
             arg("--random", metavar="NAME", help="instead of --model: a random model built in memory (tiny, 9b-heads, 9b-part, 9b)"),
             arg("--seed", type=int, default=0, help="seed of --random's weights and of generated requests"),
             *DEVICE_ARGUMENTS,
-            arg("--batch-size", type=positive_int, default=1, help="records per forward (default 1)"),
+            arg(
+                "--batch-size",
+                type=positive_ints,
+                default=[1],
+                help="records per forward, or several to compare: 1,2,4,8 (default 1)",
+            ),
+            arg("--plot", metavar="PNG", help="write latency and throughput by batch size as a PNG (needs matplotlib)"),
             arg("--requests", help="JSONL of requests to run (default: generated ones)"),
             arg("--records", type=positive_int, default=8, help="generated requests (default 8)"),
             arg(
