@@ -61,6 +61,7 @@ class DeadlineH11Protocol(H11Protocol):
         super().__init__(*args, **kwargs)
         self._deadline: asyncio.TimerHandle | None = None
         self._phase: str | None = None  # "headers" or "body" while a deadline runs
+        self._draining = False  # the server is shutting down
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -77,6 +78,9 @@ class DeadlineH11Protocol(H11Protocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
+        if self._draining:
+            self.close_now()
+            return
         self._follow(receiving=False)  # idle between requests: uvicorn's keep-alive timer runs
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -117,6 +121,17 @@ class DeadlineH11Protocol(H11Protocol):
         if phase == "headers" and (self.cycle is None or self.cycle.response_complete):
             self.transport.write(_response(_TIMEOUT_408, f"the request headers took over {timeout:g} s\n"))
         self.close_now()
+
+    def shutdown(self) -> None:
+        """Called by uvicorn on SIGTERM. A connection between requests is closed a moment later, not
+        at once, and one whose request is arriving is left to finish it: that request gets its 503
+        (or is closed at the shutdown deadline); every connection closes after its next response."""
+        self._draining = True
+        self.loop.call_later(0.05, self._shutdown_unless_reading)
+
+    def _shutdown_unless_reading(self) -> None:
+        if self._phase is None:
+            super().shutdown()
 
     def close_now(self) -> None:
         """Close the connection; a request being read sees a disconnect."""
