@@ -20,18 +20,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections import Counter
 from pathlib import Path
 
 import httpx
-from server_load import _free_port, load, rss_mb
+from server_load import load, rss_mb, start_server
 
 from clef_flash.request.samples import random_request
 
@@ -50,22 +48,8 @@ def peak_rss_mb(pid: int) -> float:
 
 
 def start(model: str, *extra: str) -> tuple[subprocess.Popen, str, int]:
-    port = _free_port()
-    command = [sys.executable, "-m", "clef_flash.cli", "serve", "--model", model, "--port", str(port), "--log-level", "warning", *extra]
-    process = subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited with {process.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return process, url, port
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError("the server did not become ready")
-        time.sleep(0.1)
+    process, url = start_server(model, extra=list(extra))
+    return process, url, int(url.rsplit(":", 1)[1])
 
 
 def stop(process: subprocess.Popen) -> None:
@@ -78,8 +62,7 @@ def nested_body(size: int = 1 << 20) -> bytes:
     the most tokens) per byte."""
     head = json.dumps({**TICKET, "state": []}).encode()
     count = (size - len(head)) // len(b'{"a":[{}]},') 
-    body = json.dumps({**TICKET, "state": [{"a": [{}]}] * count}, separators=(",", ":")).encode()
-    return body[:0] + body if len(body) <= size else body
+    return json.dumps({**TICKET, "state": [{"a": [{}]}] * count}, separators=(",", ":")).encode()
 
 
 def post_all(url: str, bodies: list[bytes], headers: dict[str, str] | None = None) -> Counter:
