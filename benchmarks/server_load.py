@@ -73,28 +73,34 @@ def rss_mb(pid: int) -> float:
     return float("nan")
 
 
-@contextmanager
-def server(model: str, *, precision: str | None, threads: int, extra: list[str]) -> Iterator[tuple[str, int]]:
-    """`clef-flash serve` in a subprocess on a free loopback port: (base URL, pid), once /health is ready."""
+def start_server(model: str, *, precision: str | None = None, threads: int = 1, extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
+    """`clef-flash serve` in a subprocess on a free loopback port: (the process, its base URL), once /health is ready."""
     port = _free_port()
     command = [sys.executable, "-m", "clef_flash.cli", "serve", "--model", model, "--host", "127.0.0.1"]
     command += ["--port", str(port), "--log-level", "warning", *(["--precision", precision] if precision else []), *extra]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}
     process = subprocess.Popen(command, env=env)
     base_url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode}")
+        try:
+            if httpx.get(base_url + "/health", timeout=5).status_code == 200:
+                return process, base_url
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            process.terminate()
+            raise RuntimeError("the server did not become ready")
+        time.sleep(0.1)
+
+
+@contextmanager
+def server(model: str, *, precision: str | None, threads: int, extra: list[str]) -> Iterator[tuple[str, int]]:
+    """`start_server` as a context: (base URL, pid); stopped when the block ends."""
+    process, base_url = start_server(model, precision=precision, threads=threads, extra=extra)
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"the server exited with {process.returncode}")
-            try:
-                if httpx.get(base_url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("the server did not become ready")
-            time.sleep(0.1)
         yield base_url, process.pid
     finally:
         process.terminate()

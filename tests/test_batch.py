@@ -14,7 +14,7 @@ import time
 import pytest
 
 from clef_flash.batch import BatchJob, progress_path
-from clef_flash.console import ProgressBar, format_duration
+from clef_flash.console import ProgressBar
 from clef_flash.cli import main
 from clef_flash.errors import ClefError
 
@@ -221,15 +221,19 @@ def test_progress_is_a_bar_on_a_terminal_and_lines_otherwise():
     progress = ProgressBar(10, "batch", done=2, stream=piped, interval=0)
     progress.advance(4)
     progress.finish()
-    lines = piped.getvalue().splitlines()
-    assert len(lines) == 2 and lines[0].startswith("batch: 6/10 records  ") and lines[0].endswith(" left")
-    assert "records/s" in lines[0]
+    text = piped.getvalue()
+    assert "\r" not in text and "\x1b" not in text  # a log file gets plain lines
+    lines = text.splitlines()
+    assert lines[-1].startswith("batch:  60%|") and " 6/10 [" in lines[-1] and "records/s]" in lines[-1]
 
     terminal = Terminal()
     progress = ProgressBar(4, "batch", stream=terminal)
-    progress.last -= 1  # as if the last redraw were a second ago
     progress.advance(2)
     progress.finish()
     text = terminal.getvalue()
-    assert text.startswith("\r" + "█" * 12 + "·" * 12 + " 2/4 records") and text.endswith("\n")
-    assert format_duration(3725) == "1:02:05"
+    assert text.startswith("\r") and "batch:  50%|" in text and " 2/4 [" in text and text.endswith("\n")  # redrawn in place
+
+    quiet = io.StringIO()
+    with ProgressBar(3, "converting", unit="B", stream=quiet, enabled=False) as meter:
+        meter.advance(3)
+    assert quiet.getvalue() == ""

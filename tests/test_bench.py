@@ -109,6 +109,22 @@ def test_bench_command_on_a_release_and_on_a_random_model(capsys, tiny_dir, tmp_
     assert "latency per record  p50" in out and "tokens/s" in out and "peak RSS" in out
 
 
+def test_bench_compares_batch_sizes_in_a_readable_plot(capsys, tmp_path):
+    plot = tmp_path / "bench.png"
+    code = main(["bench", "--random", "tiny", "--precision", "fp32", "--records", "4", "--tokens", "320", "--batch-size", "1,2", "--json", "--plot", str(plot)])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert [json.loads(line)["batch_size"] for line in out.splitlines()] == [1, 2]
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from clef_flash.plots import bench_figure
+
+    figure = bench_figure([json.loads(line) for line in out.splitlines()])
+    latency, throughput = figure.get_axes()
+    assert [text.get_text() for text in latency.get_legend().get_texts()] == ["p50", "p90", "p99"]
+    assert "latency" in latency.get_ylabel() and "records per second" in throughput.get_ylabel()
+    assert latency.get_title() and throughput.get_title() and "batch size" in latency.get_xlabel()
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

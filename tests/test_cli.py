@@ -81,7 +81,7 @@ def test_render_marks_spans_and_counts_tokens(capsys, tiny_dir):
     "argv, message",
     [
         (["answer", "--model", "/no/such/dir", *FLAGS], "no model at '/no/such/dir'"),
-        (["answer", "--model", "Cloudflare/clef-flash", *FLAGS], "Point --model at a local copy"),
+        (["answer", "--model", "Cloudflare/clef-flash", *FLAGS], "`hf download Cloudflare/clef-flash --local-dir DIR`"),
         (["answer", "--question", "team=choose:x:a,b", "--state", "s"], "bad --question 'team=choose:x:a,b'"),
         (["answer", "--question", "team=choice:Which?", "--state", "s"], "needs its options"),
         (["answer", "--state", "s"], "add at least one --question"),
@@ -96,6 +96,49 @@ def test_errors_are_one_clear_line(capsys, tiny_dir, argv, message):
     assert code == 2
     assert message in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_offline_hub_id_is_one_short_line_naming_hf(capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    code, _, err = run(capsys, "answer", "--model", "Cloudflare/clef-flash", *FLAGS)
+    print(err)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and len(err) < 200
+    assert "hf download" in err and "huggingface-cli" not in err and "offline" in err
+
+
+NOT_UTF8 = '{"state": "caf\xe9 charged twice", "questions": {"q": {"type": "noul"}}}'.encode("latin-1")
+
+
+def test_input_that_is_not_utf8_is_one_line_naming_the_file_and_offset(capsys, tiny_dir, tmp_path, monkeypatch):
+    import io
+
+    offset = NOT_UTF8.index(b"\xe9")
+    request = tmp_path / "request.json"
+    request.write_bytes(NOT_UTF8)
+    state = tmp_path / "state.txt"
+    state.write_bytes(NOT_UTF8[11:])
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(NOT_UTF8)))
+    for argv, where, at in (
+        ([str(request)], str(request), offset),
+        (["--state-file", str(state), "--question", "q=noul:Urgent?"], str(state), offset - 11),
+        (["-"], "stdin", offset),
+    ):
+        code, _, err = run(capsys, "answer", "--model", str(tiny_dir), *argv)
+        assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+        assert f"{where} is not UTF-8 text: byte 0xe9 at offset {at}" in err, err
+
+
+def test_truncate_state_says_how_many_tokens_were_cut(capsys, tiny_dir):
+    long_state = ["--state", "My card was charged twice, please refund. " * 40, *FLAGS[2:]]
+    code, _, err = run(capsys, "answer", "--model", str(tiny_dir), "--max-length", "300", *long_state)
+    assert code == 2 and "--truncate-state" in err  # refused, and told how to cut it
+    code, out, err = run(capsys, "answer", "--model", str(tiny_dir), "--max-length", "300", "--json", "--truncate-state", *long_state)
+    assert code == 0, err
+    cut = int(err.split("cut ")[1].split(" tokens")[0])
+    assert cut > 0 and "of 300 in all" in err
+    assert json.loads(out)["usage"]["input_tokens"] == 300 or json.loads(out)["usage"]["input_tokens"] <= 300
+    code, _, err = run(capsys, "render", "--model", str(tiny_dir), "--max-length", "300", "--truncate-state", *long_state)
+    assert code == 0 and f"({cut} cut from its end)" in err
 
 
 def test_tiny_command_writes_a_loadable_release(tmp_path):

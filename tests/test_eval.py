@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 import struct
-import zlib
 
 import numpy as np
 import pytest
@@ -14,7 +13,6 @@ import pytest
 from clef_flash.cli import main
 from clef_flash.engine import QuestionResult
 from clef_flash.evaluate import (
-    PNG_SIGNATURE,
     Prediction,
     accuracy,
     agreement,
@@ -23,11 +21,12 @@ from clef_flash.evaluate import (
     log_loss,
     macro_f1,
     option_of_label,
-    png_bytes,
     reliability_bins,
-    reliability_png,
     summary,
 )
+from clef_flash.plots import agreement_figure, png, reliability_figure
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -125,37 +124,38 @@ def test_labels_in_every_accepted_form():
             option_of_label(question, label)
 
 
-def decode_png(data: bytes) -> np.ndarray:
-    """A minimal reader for what png_bytes writes: check every chunk's CRC, inflate IDAT, drop filter bytes."""
-    assert data[:8] == PNG_SIGNATURE
-    chunks, offset = [], 8
-    while offset < len(data):
-        (length,) = struct.unpack(">I", data[offset : offset + 4])
-        kind, body = data[offset + 4 : offset + 8], data[offset + 8 : offset + 8 + length]
-        (crc,) = struct.unpack(">I", data[offset + 8 + length : offset + 12 + length])
-        assert crc == zlib.crc32(kind + body)
-        chunks.append((kind, body))
-        offset += 12 + length
-    assert [kind for kind, _ in chunks] == [b"IHDR", b"IDAT", b"IEND"]
-    width, height, depth, color, compression, filtering, interlace = struct.unpack(">IIBBBBB", chunks[0][1])
-    assert (depth, color, compression, filtering, interlace) == (8, 2, 0, 0, 0)
-    raw = zlib.decompress(chunks[1][1])
-    assert len(raw) == height * (width * 3 + 1)
-    rows = np.frombuffer(raw, np.uint8).reshape(height, width * 3 + 1)
-    assert (rows[:, 0] == 0).all()  # filter type 0 on every row
-    return rows[:, 1:].reshape(height, width, 3)
+def png_size(data: bytes) -> tuple[int, int]:
+    """(width, height) from a PNG's IHDR."""
+    assert data[:8] == PNG_SIGNATURE and data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
 
 
-def test_png_encoder_round_trips_pixels():
-    image = np.random.default_rng(0).integers(0, 256, size=(7, 5, 3), dtype=np.uint8)
-    assert np.array_equal(decode_png(png_bytes(image)), image)
+def readable(figure) -> list:
+    """Every panel of a figure has a title, labelled axes and a legend: a reader can tell what it shows."""
+    axes = figure.get_axes()
+    assert axes
+    for panel in axes:
+        assert panel.get_title() and panel.get_xlabel() and panel.get_ylabel(), panel
+        assert panel.get_legend() is not None and panel.get_legend().get_texts()
+    return axes
 
 
-def test_reliability_diagram_is_a_png_with_bars():
-    image = decode_png(reliability_png(reliability_bins(choice_predictions())))
-    assert image.shape == (320, 320, 3)
-    blue = (image == (66, 120, 190)).all(axis=-1)
-    assert blue.any() and blue[:, :160].sum() == 0  # no bar below a confidence of 0.5
+def test_reliability_diagram_is_readable():
+    figure = reliability_figure(reliability_bins(choice_predictions()))
+    (axes,) = readable(figure)
+    assert axes.get_xlim() == (0, 1) and "confidence" in axes.get_xlabel() and "accuracy" in axes.get_ylabel()
+    bars = [patch for patch in axes.patches if patch.get_height() > 0 and patch.get_facecolor()[:3] == (66 / 255, 120 / 255, 190 / 255)]
+    assert bars and min(bar.get_x() for bar in bars) >= 0.5  # no prediction below a confidence of 0.5
+    assert png_size(png(figure)) == (550, 500)
+
+
+def test_agreement_figure_is_readable():
+    reference = [[QuestionResult("q", ("a", "b"), (0.0, 0.0), (0.6, 0.4))], [QuestionResult("q", ("a", "b"), (0.0, 0.0), (0.3, 0.7))]]
+    candidate = [[QuestionResult("q", ("a", "b"), (0.0, 0.0), (0.61, 0.39))], [QuestionResult("q", ("a", "b"), (0.0, 0.0), (0.3, 0.7))]]
+    report = agreement(reference, candidate)
+    assert sum(report["abs_dp_histogram"]["counts"]) == 4 and report["abs_dp_histogram"]["counts"][0] == 2  # the two zeros
+    (axes,) = readable(agreement_figure(report))
+    assert axes.get_xscale() == "log" and "|dp|" in axes.get_xlabel()
 
 
 @pytest.fixture(scope="module")
@@ -215,7 +215,7 @@ def test_eval_labelled_end_to_end(capsys, tiny_dir, tmp_path, labelled_file, cac
     assert (report["records"], report["questions"]) == (4, 12)
     assert list(report["by_question"]) == ["urgent", "team", "level"] and report["by_question"]["team"]["type"] == "choice"
     assert (tmp_path / "report" / "report.md").read_text() == out and "| accuracy | macro-F1 |" in out
-    assert decode_png((tmp_path / "report" / "reliability.png").read_bytes()).shape == (320, 320, 3)
+    assert png_size((tmp_path / "report" / "reliability.png").read_bytes()) == (550, 500)
 
     # The same figures from the model's own probabilities and the pure functions.
     model = tiny_models("fp32")
@@ -244,6 +244,7 @@ def test_eval_agreement_end_to_end(capsys, tiny_dir, tmp_path, labelled_file, ca
     assert 0 < report["median_abs_dp"] <= report["max_abs_dp"] < 0.05
     assert report["answers_differing"] == len(report["differing"]) >= report["near_ties"]
     assert "| questions | answers differing |" in out
+    assert png_size((tmp_path / "agreement.png").read_bytes()) == (650, 400)
 
 
 @pytest.mark.parametrize(

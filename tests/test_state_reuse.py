@@ -212,8 +212,9 @@ def test_server_reuses_states_across_requests(requests):
             answers = [client.post("/v1/systemone", json=request).json() for request in requests[6:9]]
             metrics = client.get("/metrics").text
         assert model.state_cache.stats.hits - before == hits
-        assert f"clef_flash_state_cache_hits_total {model.state_cache.stats.hits}" in metrics
-        assert "clef_flash_state_cache_bytes" in metrics and "clef_flash_state_cache_evictions_total 0" in metrics
+        assert f"clef_flash_state_cache_hits_total {float(model.state_cache.stats.hits)}" in metrics
+        assert "clef_flash_state_cache_bytes" in metrics and "clef_flash_state_cache_evictions_total 0.0" in metrics
+        assert "clef_flash_state_tokens_reused_total" in metrics
         assert all("answers" in answer for answer in answers)
 
 

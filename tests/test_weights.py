@@ -98,7 +98,7 @@ def test_sources_and_their_errors(tmp_path, monkeypatch):
     with pytest.raises(ModelSourceError) as caught:
         clef_flash.load("Cloudflare/clef-flash", device="cpu")
     print(f"\n{caught.value}")
-    assert "offline" in str(caught.value) and "local copy" in str(caught.value)
+    assert "offline" in str(caught.value) and "hf download" in str(caught.value)
     with pytest.raises(clef_flash.ClefError, match="unknown precision"):
         clef_flash.load("tiny", precision="fp16")
 

@@ -68,13 +68,31 @@ def parse_question_spec(spec: str) -> tuple[str, dict[str, Any]]:
     return question_id, {"type": "choice", "instructions": instructions, "criteria": criteria}
 
 
+def decode_utf8(data: bytes, where: str) -> str:
+    """`data` as text, or one line naming `where` and the byte offset of the first bad byte."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ClefError(
+            f"{where} is not UTF-8 text: byte 0x{data[error.start]:02x} at offset {error.start} ({error.reason}); "
+            "convert it first, e.g. iconv -f latin1 -t utf-8"
+        ) from None
+
+
+def read_stdin() -> str:
+    if sys.stdin.isatty():
+        raise ClefError("no request: give a JSON file, pipe one on stdin, or use --state and --question")
+    stream = getattr(sys.stdin, "buffer", None)  # bytes: the locale's decoding would hide the offset
+    return decode_utf8(stream.read(), "stdin") if stream is not None else sys.stdin.read()
+
+
 def read_request(args: argparse.Namespace) -> Any:
     """The request body from --state/--question flags, a file, or stdin."""
     if args.state is not None or args.state_file is not None or args.question:
         if args.request:
             raise ClefError("give either a request file or --state/--question flags, not both")
         if args.state_file is not None:
-            state: Any = Path(args.state_file).read_text()
+            state: Any = decode_utf8(Path(args.state_file).read_bytes(), args.state_file)
         elif args.state is not None:
             state = args.state
         else:
@@ -87,14 +105,12 @@ def read_request(args: argparse.Namespace) -> Any:
         path = Path(args.request)
         if not path.is_file():
             raise ClefError(f"no request file at {path}")
-        text, where = path.read_text(), str(path)
+        text, where = decode_utf8(path.read_bytes(), str(path)), str(path)
     else:
-        if sys.stdin.isatty():
-            raise ClefError("no request: give a JSON file, pipe one on stdin, or use --state and --question")
-        text, where = sys.stdin.read(), "stdin"
+        text, where = read_stdin(), "stdin"
     try:
         return json.loads(text)
-    except json.JSONDecodeError as exc:
+    except ValueError as exc:  # not JSON, or an integer past Python's digit limit
         raise ClefError(f"{where} is not JSON: {exc}") from exc
 
 
@@ -203,10 +219,33 @@ def load_model(args: argparse.Namespace, **options: Any):
     )
 
 
+def answer_truncating(model: Any, request: Any) -> dict[str, Any]:
+    """`model.answer`, with the state's tail cut to fit the token limit (said on stderr)."""
+    from .engine import Prepared, Timings
+
+    start = time.perf_counter()
+    timings = Timings()
+    parsed = model.parse(request)
+    prepared = Prepared(parsed, model.encode(parsed, truncate_state=True))
+    timings.tokenize_ms = (time.perf_counter() - start) * 1000
+    (results,) = model.score([prepared.record], timings)
+    timings.total_ms = (time.perf_counter() - start) * 1000
+    model.last_timings = timings
+    record = prepared.record
+    print(
+        f"--truncate-state: cut {record.state_tokens_dropped} tokens from the state's end "
+        f"(kept {record.state_tokens}; {record.token_count} of {model.max_length} in all)",
+        file=sys.stderr,
+    )
+    return model.respond(prepared, results)
+
+
 def command_answer(args: argparse.Namespace) -> int:
+    from .request.records import DEFAULT_MAX_LENGTH
+
     request = read_request(args)
-    model = load_model(args)
-    body = model.answer(request)
+    model = load_model(args, max_length=args.max_length or DEFAULT_MAX_LENGTH)
+    body = answer_truncating(model, request) if args.truncate_state else model.answer(request)
     if args.json or (not sys.stdout.isatty() and not args.table):
         output = dict(body)
         if args.timings:
@@ -237,6 +276,12 @@ def command_serve(args: argparse.Namespace) -> int:
         batch_wait_ms=args.batch_wait_ms,
         max_batch=args.max_batch,
         max_queue=args.max_queue,
+        max_parsing_bytes=args.max_parsing_bytes,
+        request_timeout_s=args.request_timeout,
+        header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout,
+        max_connections=args.max_connections,
+        shutdown_timeout_s=args.shutdown_timeout,
     )
     return 0
 
@@ -249,7 +294,8 @@ def command_render(args: argparse.Namespace) -> int:
 
     request = parse_request(read_request(args))
     tokenizer = Tokenizer.from_file(resolve_source(args.model, revision=args.revision) / "tokenizer.json")
-    record = encode_record(tokenizer, request, max_length=args.max_length or DEFAULT_MAX_LENGTH)
+    limit = args.max_length or DEFAULT_MAX_LENGTH
+    record = encode_record(tokenizer, request, max_length=limit, truncate_state=args.truncate_state)
     ids = record.input_ids
     marks: dict[int, list[str]] = {}
     for question in record.questions:
@@ -266,9 +312,9 @@ def command_render(args: argparse.Namespace) -> int:
         cursor = position
     pieces.append(tokenizer.decode(ids[cursor:]))
     print("".join(pieces))
-    limit = args.max_length or DEFAULT_MAX_LENGTH
+    cut = f" ({record.state_tokens_dropped} cut from its end)" if args.truncate_state else ""
     print(
-        f"\n--- tokens: prefix {record.prefix_tokens}, state {record.state_tokens}, schema {record.schema_tokens}, "
+        f"\n--- tokens: prefix {record.prefix_tokens}, state {record.state_tokens}{cut}, schema {record.schema_tokens}, "
         f"suffix {record.suffix_tokens}; total {record.token_count} of {limit}",
         file=sys.stderr,
     )
@@ -303,19 +349,23 @@ def command_batch(args: argparse.Namespace) -> int:
     return 0
 
 
-def write_report(args: argparse.Namespace, report: dict[str, Any], markdown: str, png: bytes | None = None) -> None:
-    """The Markdown report on stdout; with --out, report.json, report.md (and the PNG) in that directory."""
+def write_report(args: argparse.Namespace, report: dict[str, Any], markdown: str, figure: tuple[str, Callable[[], Any]]) -> None:
+    """The Markdown report on stdout; with --out, report.json, report.md and the figure (file name,
+    a function drawing it) in that directory."""
+    from . import plots
     from .evaluate import write_reports
 
     print(markdown, end="")
     if args.out:
-        written = write_reports(args.out, report, markdown, png)
+        name, draw = figure
+        written = write_reports(args.out, report, markdown, {name: plots.png(draw())})
         print(f"wrote {', '.join(str(path) for path in written)}", file=sys.stderr)
 
 
 def command_eval_agreement(args: argparse.Namespace) -> int:
     from .engine import load
     from .evaluate import agreement_markdown, evaluate_agreement
+    from .plots import agreement_figure
 
     report = evaluate_agreement(
         args.requests,
@@ -325,17 +375,16 @@ def command_eval_agreement(args: argparse.Namespace) -> int:
         ),
         near_tie=args.near_tie,
     )
-    write_report(args, report, agreement_markdown(report))
+    write_report(args, report, agreement_markdown(report), ("agreement.png", lambda: agreement_figure(report)))
     return 0
 
 
 def command_eval_labelled(args: argparse.Namespace) -> int:
-    from .evaluate import evaluate_labelled, labelled_markdown, reliability_png
+    from .evaluate import evaluate_labelled, labelled_markdown
+    from .plots import reliability_figure
 
-    report = evaluate_labelled(
-        args.file, lambda: load_model(args)
-    )
-    write_report(args, report, labelled_markdown(report), reliability_png(report["reliability"]))
+    report = evaluate_labelled(args.file, lambda: load_model(args))
+    write_report(args, report, labelled_markdown(report), ("reliability.png", lambda: reliability_figure(report["reliability"])))
     return 0
 
 
@@ -394,8 +443,15 @@ def command_bench(args: argparse.Namespace) -> int:
         model = load_model(args)
     if requests is None:
         requests = generated_requests(model, records=args.records, tokens=args.tokens, seed=args.seed)
-    result = bench(model, requests, batch_size=args.batch_size)
-    print(json.dumps(result) if args.json else format_bench(result))
+    results = []
+    for batch_size in args.batch_size:
+        results.append(bench(model, requests, batch_size=batch_size))
+        print(json.dumps(results[-1]) if args.json else format_bench(results[-1]), flush=True)
+    if args.plot:
+        from .plots import bench_figure, png
+
+        Path(args.plot).write_bytes(png(bench_figure(results)))
+        print(f"wrote {args.plot}", file=sys.stderr)
     return 0
 
 
@@ -411,6 +467,11 @@ def non_negative_float(text: str) -> float:
     if not value >= 0:  # also refuses nan
         raise argparse.ArgumentTypeError(f"must be 0 or more; got {text}")
     return value
+
+
+def positive_ints(text: str) -> list[int]:
+    """`4` or `1,2,4,8`."""
+    return [positive_int(part) for part in text.split(",") if part.strip()]
 
 
 # -- the parser, built from the tables below -----------------------------------------------------
@@ -461,6 +522,13 @@ REQUEST_ARGUMENTS = (
         help="ID=TYPE:INSTRUCTIONS[:CRITERIA], repeatable: 'urgent=noul:Is it urgent?', "
         "'team=choice:Which team?:billing=Charges,engineering=Bugs', 'urgency=score:How urgent?:Low,Normal,High'",
     ),
+)
+
+TRUNCATE_STATE = arg(
+    "--truncate-state",
+    action="store_true",
+    help="cut the state's end to fit the token limit, as the reference does (says how many tokens were cut); "
+    "without it an over-long record is refused",
 )
 
 MODEL_ARGUMENTS = (
@@ -522,7 +590,7 @@ EVALUATIONS = (
                 default=0.05,
                 help="a differing answer is a near-tie when the reference's top-2 margin is below this (default 0.05)",
             ),
-            arg("--out", help="write report.json and report.md into this directory"),
+            arg("--out", help="write report.json, report.md and agreement.png (|dp| distribution) into this directory"),
         ),
     ),
     Command(
@@ -594,13 +662,15 @@ COMMANDS = (
             arg("--json", action="store_true", help="print the System One response body"),
             arg("--table", action="store_true", help="print the readable table even when piped"),
             arg("--timings", action="store_true", help="add tokenize / decoder / head / total milliseconds"),
+            arg("--max-length", type=positive_int, help="token limit per record (default 65536)"),
+            TRUNCATE_STATE,
         ),
     ),
     Command(
         "render",
         "show the rendered prompt with question and option spans marked",
         command_render,
-        (*REQUEST_ARGUMENTS, *MODEL_ARGUMENTS, arg("--max-length", type=int, help="token limit (default 65536)")),
+        (*REQUEST_ARGUMENTS, *MODEL_ARGUMENTS, arg("--max-length", type=int, help="token limit (default 65536)"), TRUNCATE_STATE),
     ),
     Command(
         "serve",
@@ -622,6 +692,24 @@ COMMANDS = (
             arg("--batch-wait-ms", type=float, default=5.0, help="how long a request waits for others to batch with (default 5)"),
             arg("--max-batch", type=int, default=64, help="records per batch (default 64; 1 turns batching off)"),
             arg("--max-queue", type=int, default=256, help="queued records before 429 + Retry-After (default 256)"),
+            arg(
+                "--max-parsing-bytes",
+                type=int,
+                default=8 << 20,
+                help="bytes of bodies being read, parsed and tokenized at once, before 429 + Retry-After; "
+                "what bounds memory (default 8 MiB; at least twice --max-body-bytes)",
+            ),
+            arg("--request-timeout", type=float, default=300.0, metavar="S", help="the longest a request waits for the model, then 503 (default 300)"),
+            arg("--header-timeout", type=float, default=10.0, metavar="S", help="a request's headers must arrive within this, else 408 and close (default 10)"),
+            arg("--body-timeout", type=float, default=30.0, metavar="S", help="a request's body must arrive within this after its headers, else close (default 30)"),
+            arg("--max-connections", type=positive_int, default=1024, help="open connections; one more gets 503 (default 1024)"),
+            arg(
+                "--shutdown-timeout",
+                type=float,
+                default=30.0,
+                metavar="S",
+                help="after SIGTERM, queued requests may finish for this long; then they get 503 and the process exits (default 30)",
+            ),
             arg("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="default info"),
         ),
     ),
@@ -664,7 +752,13 @@ COMMANDS = (
             arg("--random", metavar="NAME", help="instead of --model: a random model built in memory (tiny, 9b-heads, 9b-part, 9b)"),
             arg("--seed", type=int, default=0, help="seed of --random's weights and of generated requests"),
             *DEVICE_ARGUMENTS,
-            arg("--batch-size", type=positive_int, default=1, help="records per forward (default 1)"),
+            arg(
+                "--batch-size",
+                type=positive_ints,
+                default=[1],
+                help="records per forward, or several to compare: 1,2,4,8 (default 1)",
+            ),
+            arg("--plot", metavar="PNG", help="write latency and throughput by batch size as a PNG (needs matplotlib)"),
             arg("--requests", help="JSONL of requests to run (default: generated ones)"),
             arg("--records", type=positive_int, default=8, help="generated requests (default 8)"),
             arg(

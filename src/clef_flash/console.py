@@ -1,14 +1,16 @@
-"""What the shells print: probability bars and one progress meter (records scored, bytes converted).
+"""What the shells print: probability bars, and one progress meter (records scored, bytes converted).
 
-The meter is a bar redrawn in place on a terminal, or a plain line every `interval` seconds when
-the stream is piped (a log file gets a line per interval, not thousands of carriage returns).
+The meter is tqdm's: a bar redrawn in place on a terminal; when the stream is piped, tqdm's line
+every `interval` seconds, each on a line of its own (a log file gets a line per interval, not
+thousands of carriage returns).
 """
 
 from __future__ import annotations
 
 import sys
-import time
 from typing import TextIO
+
+from tqdm import tqdm
 
 BAR_WIDTH = 24
 
@@ -18,20 +20,26 @@ def bar(fraction: float, width: int = BAR_WIDTH) -> str:
     return "█" * filled + "·" * (width - filled)
 
 
-def format_duration(seconds: float) -> str:
-    minutes, seconds = divmod(int(seconds + 0.5), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}:{minutes:02d}:{seconds:02d}"
+class _Lines:
+    """A stream for tqdm off a terminal: its carriage-return redraws become one line each."""
 
+    def __init__(self, stream: TextIO):
+        self.stream = stream
 
-def _amount(value: float, unit: str) -> str:
-    return f"{value / 1e9:.2f} GB" if unit == "B" else f"{int(value)}"
+    def write(self, text: str) -> None:
+        line = text.replace("\r", "").rstrip()
+        if line:
+            self.stream.write(line + "\n")
+
+    def flush(self) -> None:
+        self.stream.flush()
 
 
 class ProgressBar:
     """Work done out of a total, its rate and the time left, on `stream` (stderr by default).
 
-    `unit` "B" shows bytes as GB and MB/s; any other unit is shown as a count ("records").
+    `unit` "B" shows bytes (kB, MB, GB, and their rate); any other unit is shown as a count ("records").
+    `done` is work already done before this run (a resumed job): the rate counts only this run's.
     """
 
     def __init__(
@@ -45,12 +53,25 @@ class ProgressBar:
         interval: float = 10.0,
         enabled: bool = True,
     ):
-        self.total, self.label, self.unit, self.done, self.enabled = total, label, unit, done, enabled
-        self.stream = stream if stream is not None else sys.stderr
-        self.tty = self.stream.isatty()
-        self.interval = 0.1 if self.tty else interval
-        self.start = self.last = time.perf_counter()
-        self.advanced = 0.0  # by this run, for the rate
+        stream = stream if stream is not None else sys.stderr
+        tty = stream.isatty()
+        in_bytes = unit == "B"
+        self.meter = tqdm(
+            total=total,
+            initial=done,
+            desc=label,
+            unit=unit if in_bytes else f" {unit}",
+            unit_scale=in_bytes,
+            unit_divisor=1000,
+            file=stream if tty else _Lines(stream),
+            mininterval=0.1 if tty else interval,
+            dynamic_ncols=tty,
+            ncols=None if tty else 100,
+            ascii=None if tty else True,
+            smoothing=0.1,
+            disable=not enabled,
+            leave=True,
+        )
 
     def __enter__(self) -> ProgressBar:
         return self
@@ -59,33 +80,7 @@ class ProgressBar:
         self.finish()
 
     def advance(self, count: float) -> None:
-        self.done += count
-        self.advanced += count
-        now = time.perf_counter()
-        if now - self.last >= self.interval:
-            self.last = now
-            self._show(now)
+        self.meter.update(count)
 
     def finish(self) -> None:
-        if not self.enabled:
-            return
-        self._show(time.perf_counter())
-        if self.tty:
-            self.stream.write("\n")
-        self.enabled = False  # once
-
-    def _show(self, now: float) -> None:
-        if not self.enabled:
-            return
-        rate = self.advanced / max(now - self.start, 1e-9)
-        left = format_duration((self.total - self.done) / rate) if rate > 0 else "?"
-        fraction = self.done / self.total if self.total else 1.0
-        if self.unit == "B":
-            text = f"{_amount(self.done, 'B')}/{_amount(self.total, 'B')}  {rate / 1e6:.0f} MB/s  {left} left"
-        else:
-            text = f"{int(self.done)}/{int(self.total)} {self.unit}  {rate:.1f} {self.unit}/s  {left} left"
-        if self.tty:
-            self.stream.write(f"\r{bar(fraction)} {text}\x1b[K")
-        else:
-            self.stream.write(f"{self.label}: {text}\n")
-        self.stream.flush()
+        self.meter.close()  # once: tqdm ignores a second close

@@ -62,7 +62,7 @@ class RecordTooLong(RequestInvalid):
             msg = (
                 f"the record needs {token_count} tokens, over the limit of {limit} "
                 f"(state {state_tokens}, prompt and schema {fixed_tokens}); shorten the state by "
-                f"{token_count - limit} tokens, or pass truncate_state=True to cut it explicitly"
+                f"{token_count - limit} tokens, or pass truncate_state=True (--truncate-state) to cut it explicitly"
             )
         super().__init__(
             [

@@ -4,8 +4,7 @@
   (argmax decisions) that differ, the median and max |dp| over every option probability, and how
   many of the differing answers were near-ties (the reference's top-2 margin under `near_tie`).
 - `labelled_report(predictions)`: accuracy, macro-F1, log-loss, Brier, ECE and the reliability bins,
-  overall and per question; `reliability_png` draws the diagram, `png_bytes` encodes it (no plotting
-  library: an RGB raster drawn with numpy, zlib-compressed into the PNG chunks).
+  overall and per question, and the reliability bins that `plots.reliability_figure` draws.
 
 Labelled files are JSONL: each line a System One request plus `"expected": {question_id: label}`,
 with a choice's label, `true` / `false` (or "true" / "false") for noul, and a score's level index
@@ -18,8 +17,6 @@ from __future__ import annotations
 import json
 import math
 import statistics
-import struct
-import zlib
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -141,8 +138,16 @@ def agreement(
         "near_tie_margin": near_tie,
         "median_abs_dp": statistics.median(deltas) if deltas else 0.0,
         "max_abs_dp": max(deltas, default=0.0),
+        "abs_dp_histogram": abs_dp_histogram(deltas),
         "differing": differing,
     }
+
+
+def abs_dp_histogram(deltas: Sequence[float], low: float = 1e-8, per_decade: int = 4) -> dict[str, list[float]]:
+    """Counts of |dp| on log-spaced bins from `low` to 1 (smaller values, 0 included, in the first bin)."""
+    edges = np.logspace(math.log10(low), 0, round(-math.log10(low)) * per_decade + 1)
+    counts, _ = np.histogram(np.clip(np.asarray(deltas, dtype=np.float64), low, 1.0), bins=edges)
+    return {"edges": edges.tolist(), "counts": counts.tolist()}
 
 
 def agreement_markdown(report: dict[str, Any]) -> str:
@@ -382,75 +387,19 @@ def labelled_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-# -- the reliability diagram ---------------------------------------------------------------------
-
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-WHITE, BLACK, GREY = (255, 255, 255), (0, 0, 0), (110, 110, 110)
-BAR, GAP, GRID = (66, 120, 190), (235, 150, 140), (225, 225, 225)
-
-
-def png_bytes(image: np.ndarray) -> bytes:
-    """An [H, W, 3] uint8 image as an 8-bit RGB PNG: every row with filter 0, one IDAT chunk."""
-    height, width, channels = image.shape
-    if channels != 3 or image.dtype != np.uint8:
-        raise ValueError("png_bytes takes an [H, W, 3] uint8 array")
-    rows = np.concatenate([np.zeros((height, 1), np.uint8), image.reshape(height, width * 3)], axis=1)  # [H, 1 + 3W]
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8 bits, RGB, deflate, filter 0, no interlace
-    return PNG_SIGNATURE + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows.tobytes(), 9)) + chunk(b"IEND", b"")
-
-
-def reliability_image(bins: Sequence[dict[str, float]], size: int = 320, margin: int = 24) -> np.ndarray:
-    """Bars of accuracy per confidence bin (blue), the gap to the bin's mean confidence (red), the
-    diagonal of perfect calibration, axes with a tick every 0.1. Confidence runs left to right."""
-    image = np.full((size, size, 3), WHITE, np.uint8)  # [H, W, 3]
-    side = size - 2 * margin  # the plot is the square [margin, margin + side) in both directions
-
-    def x(value: float) -> int:
-        return margin + round(value * side)
-
-    def y(value: float) -> int:  # image rows grow downwards
-        return margin + side - round(value * side)
-
-    for tick in range(11):
-        image[margin : margin + side, x(tick / 10)] = GRID
-        image[y(tick / 10), margin : margin + side] = GRID
-    for b in bins:
-        if not b["count"]:
-            continue
-        left, right = x(b["lower"]) + 1, x(b["upper"]) - 1
-        image[y(b["accuracy"]) : y(0), left:right] = BAR
-        low, high = sorted((b["accuracy"], b["confidence"]))
-        image[y(high) : y(low), left:right] = GAP
-    for column in range(side + 1):  # the diagonal, two pixels thick
-        row = y(column / side)
-        image[max(row - 1, 0) : row + 1, margin + column] = GREY
-    image[y(0) : y(0) + 2, margin - 1 : margin + side + 1] = BLACK  # x axis
-    image[margin : y(0) + 2, margin - 2 : margin] = BLACK  # y axis
-    for tick in range(11):
-        image[y(0) + 2 : y(0) + 6, x(tick / 10)] = BLACK
-        image[y(tick / 10), margin - 6 : margin - 2] = BLACK
-    return image
-
-
-def reliability_png(bins: Sequence[dict[str, float]]) -> bytes:
-    return png_bytes(reliability_image(bins))
-
-
 # -- reports -------------------------------------------------------------------------------------
 
 
-def write_reports(out_dir: str | Path, report: dict[str, Any], markdown: str, png: bytes | None = None) -> list[Path]:
-    """`report.json`, `report.md` and, when given, `reliability.png` in `out_dir` (created)."""
+def write_reports(
+    out_dir: str | Path, report: dict[str, Any], markdown: str, figures: dict[str, bytes] | None = None
+) -> list[Path]:
+    """`report.json`, `report.md` and each of `figures` (file name -> PNG bytes) in `out_dir` (created)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = [out / "report.json", out / "report.md"]
     written[0].write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
     written[1].write_text(markdown)
-    if png is not None:
-        written.append(out / "reliability.png")
-        written[2].write_bytes(png)
+    for name, data in (figures or {}).items():
+        written.append(out / name)
+        written[-1].write_bytes(data)
     return written

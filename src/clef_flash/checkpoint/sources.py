@@ -163,17 +163,25 @@ def _download(repo_id: str, revision: str | None) -> Path:
     try:
         return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns))
     except Exception as exc:  # hub errors come in many classes; all mean "not here"
-        offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
-        hint = (
-            "the hub is offline (HF_HUB_OFFLINE is set)"
-            if offline
-            else f"downloading it failed ({type(exc).__name__}: {' '.join(str(exc).split())[:300]})"
-        )
-        raise ModelSourceError(
-            f"cannot get {repo_id!r}{'@' + revision if revision else ''} from the Hugging Face hub: {hint}. "
-            f"Point --model at a local copy instead (e.g. `huggingface-cli download {repo_id} --local-dir DIR` "
-            f"on a machine with a network, then --model DIR)"
-        ) from exc
+        raise ModelSourceError(_download_failed(repo_id, revision, exc)) from exc
+
+
+def _download_failed(repo_id: str, revision: str | None, error: Exception) -> str:
+    """One short line: why, and the `hf` command (huggingface_hub's CLI) to run where there is a network."""
+    from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
+
+    if os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0"):
+        why = "the hub is offline here (HF_HUB_OFFLINE is set)"
+    elif isinstance(error, GatedRepoError):
+        why = "the repo is gated: accept its terms and log in (`hf auth login`)"
+    elif isinstance(error, (RepositoryNotFoundError, RevisionNotFoundError)):
+        why = "the hub has no such repo or revision"
+    elif isinstance(error, LocalEntryNotFoundError):
+        why = "the hub cannot be reached and nothing is cached"
+    else:
+        why = f"the download failed ({type(error).__name__})"
+    name = f"{repo_id}@{revision}" if revision else repo_id
+    return f"cannot download {name!r}: {why}; elsewhere, `hf download {repo_id} --local-dir DIR`, then --model DIR"
 
 
 def read_json(path: Path) -> dict:

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal
 
@@ -498,7 +499,48 @@ def parse_request_json(raw: bytes | str) -> SystemOneRequest:
     except _ConstantRefused as error:
         message = f"the body is not valid JSON: {error.args[0]} is not a JSON number"
         raise RequestInvalid([_json_invalid(0, message, f"{error.args[0]} is not JSON")]) from None
+    except ValueError:  # an integer past Python's digit limit (sys.get_int_max_str_digits)
+        raise RequestInvalid([_integer_too_long(raw)]) from None
     return parse_request(body)
+
+
+class _LongInteger(str):
+    """An integer literal whose digits `int()` refuses: kept as text while looking for where it is."""
+
+
+def _int_or_long(text: str) -> int | _LongInteger:
+    try:
+        return int(text)
+    except ValueError:
+        return _LongInteger(text)
+
+
+def _integer_too_long(raw: bytes | str) -> dict[str, Any]:
+    """The 422 item for the first over-long integer, located in the body (not an offset).
+
+    Only on the error path: the body is decoded again, keeping such integers as text, and walked
+    without recursion (a body may be nested as deep as the decoder allows).
+    """
+    try:
+        body = json.loads(raw, parse_int=_int_or_long, parse_constant=_refuse_constant)
+    except json.JSONDecodeError as error:  # malformed further on: report that instead
+        return _json_invalid(error.pos, f"the body is not valid JSON: {error.msg}", error.msg)
+    limit = sys.get_int_max_str_digits()  # Python 3.10.7+; the ValueError comes from it
+    stack: list[tuple[list[str | int], Any]] = [(["body"], body)]
+    while stack:
+        loc, value = stack.pop()
+        if isinstance(value, _LongInteger):
+            digits = len(value.lstrip("-"))
+            return {
+                "type": "integer_too_long",
+                "loc": loc,
+                "msg": f"this integer has {digits} digits; at most {limit} are accepted (send it as a string)",
+                "input": value[:20] + "...",
+                "ctx": {"digits": digits, "limit": limit},
+            }
+        children = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        stack.extend((loc + [key], child) for key, child in reversed(list(children)))
+    return _json_invalid(0, "the body is not valid JSON", "invalid")  # not reached: json.loads found one
 
 
 class _ConstantRefused(Exception):

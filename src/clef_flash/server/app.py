@@ -4,18 +4,22 @@
     POST /client/v4/accounts/{account}/ai/run/@cf/cloudflare/clef-flash   the same, in Cloudflare's
     POST /accounts/{account}/ai/run/@cf/cloudflare/clef-flash             {result, success, errors, messages}
     GET  /v1/models     {"models": [{name, description, release_date}]} (TypeSafe's shape)
-    GET  /health        503 until the warm-up request has run, then 200 {"status": "ready", ...}
-    GET  /metrics       Prometheus text
+    GET  /health        503 until the warm-up request has run, then 200 {"status": "ready", ...};
+                        503 again if the model worker dies or a forward runs past the request deadline
+    GET  /metrics       Prometheus text (prometheus_client)
     GET  /              the support-ticket triage demo
 
-A request goes: API key -> body (size limits, zstd/gzip: body.py) -> `parse_request_json` -> model
-name -> `Clef.encode` (over-length records refused here, before inference) -> the batcher's queue
-(bounded: 429) -> one `Clef.score` batch in the worker thread -> `shape_response`. Errors on `/v1` are
-FastAPI-shaped (`{"detail": [...]}` for 422, `{"detail": "..."}` otherwise); on the Workers AI
-routes they are `{"success": false, "errors": [{"code", "message"}]}` with Cloudflare's codes.
+A request goes: API key -> Content-Type (JSON or none, else 415) -> body (size limits, zstd/gzip,
+the parse budget: body.py) -> `parse_request_json` -> model name -> `Clef.encode` (over-length
+records refused here, before inference) -> the batcher's queue (bounded: 429) -> one `Clef.score`
+batch in the worker thread -> `shape_response`, all within `request_timeout_s` (then 503). Errors on
+`/v1` are FastAPI-shaped (`{"detail": [...]}` for 422, `{"detail": "..."}` otherwise); on the Workers
+AI routes they are `{"success": false, "errors": [{"code", "message"}]}` with Cloudflare's codes. A
+500 names the request id, never the exception: the cause is in the server's log under that id.
 
 `SystemOneServer` holds the model, settings, batcher, metrics and readiness; its `routes()` is the
-table above, one method per route. `create_app(model, **settings)` is the entry point.
+table above, one method per route. `create_app(model, **settings)` is the entry point; `serve` runs
+it under uvicorn with the read and shutdown deadlines of transport.py.
 """
 
 from __future__ import annotations
@@ -41,8 +45,9 @@ from .. import __version__
 from ..engine import Prepared
 from ..errors import InferenceError, RequestInvalid
 from ..request.protocol import parse_request_json
-from .batcher import Batcher, Job, QueueFull
-from .body import ApiError, read_body
+from . import schemas
+from .batcher import Batcher, Job, QueueFull, WorkerUnavailable
+from .body import ApiError, ClientGone, ParseBudget, check_content_type, read_body
 from .metrics import ServerMetrics
 
 if TYPE_CHECKING:
@@ -71,6 +76,24 @@ class ServerSettings:
     max_queue: int = 256  # queued records; one more gets 429
     retry_after_s: int = 1
     warm_up: bool = True
+    # Bodies being read, decompressed, parsed and tokenized at once (429 beyond): what bounds memory.
+    max_parsing_bytes: int = 8 * DEFAULT_MAX_BODY_BYTES  # at least twice max_body_bytes (raw + decompressed)
+    max_parsing: int = 32  # requests
+    request_timeout_s: float = 300.0  # the longest a request waits for the model (then 503)
+    # Deadlines of the uvicorn transport (transport.py; not enforced under other ASGI servers):
+    header_timeout_s: float = 10.0  # from a request's first byte to the end of its headers
+    body_timeout_s: float = 30.0  # from the end of the headers to the end of the body
+    max_connections: int = 1024  # open connections; one more gets 503
+    shutdown_timeout_s: float = 30.0  # from SIGTERM: then what is left is answered 503 and the process exits
+
+    def __post_init__(self) -> None:
+        if self.max_parsing_bytes < 2 * self.max_body_bytes:
+            raise ValueError(
+                f"max_parsing_bytes ({self.max_parsing_bytes}) must be at least twice max_body_bytes "
+                f"({self.max_body_bytes}): a compressed body is held with its decompressed copy"
+            )
+        if min(self.request_timeout_s, self.header_timeout_s, self.body_timeout_s, self.shutdown_timeout_s) <= 0:
+            raise ValueError("the timeouts must be positive")
 
 
 # -- request ids and metrics (plain ASGI, so that disconnects reach the routes untouched) ----------
@@ -106,26 +129,30 @@ class RequestContext:
 
         try:
             await self.app(scope, receive, send_with_id)
+        except asyncio.CancelledError:  # the connection went, or a shutdown's deadline passed: no answer
+            status = 499
+            raise
         finally:
             route = scope.get("route")
             name = getattr(route, "path", None) or "unmatched"  # templates only: bounded label values
-            with self.metrics.lock:
-                self.metrics.requests.inc(name, str(status))
-                self.metrics.latency.observe(time.perf_counter() - start, name)
+            self.metrics.requests.labels(name, str(status)).inc()
+            self.metrics.latency.labels(name).observe(time.perf_counter() - start)
 
 
 # -- errors in each route's shape -------------------------------------------------------------------
-
-
-class _ClientGone(Exception):
-    pass
 
 
 Outcome = tuple[dict[str, Any], dict[str, str]] | Exception
 """What a request came to: (body, headers) to answer 200 with, or the error to answer in the route's shape."""
 
 
-def systemone_response(outcome: Outcome) -> Response:
+def internal_error_message(outcome: Exception, request_id: str) -> str:
+    """What a 500 says: the request id to find the cause in the log, never the exception's text."""
+    what = "inference failed" if isinstance(outcome, InferenceError) else "internal error"
+    return f"{what}; request id {request_id} (the server's log has the cause)"
+
+
+def systemone_response(outcome: Outcome, request_id: str) -> Response:
     """`/v1`'s shape: the body, or FastAPI's `{"detail": [...]}` (422) and `{"detail": "..."}`."""
     if isinstance(outcome, tuple):
         body, headers = outcome
@@ -134,11 +161,9 @@ def systemone_response(outcome: Outcome) -> Response:
         return JSONResponse(outcome.detail(), 422)
     if isinstance(outcome, ApiError):
         return JSONResponse({"detail": outcome.message}, outcome.status, outcome.headers)
-    if isinstance(outcome, _ClientGone):
+    if isinstance(outcome, ClientGone):
         return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
-    if isinstance(outcome, InferenceError):
-        return JSONResponse({"detail": str(outcome)}, 500)
-    return JSONResponse({"detail": f"internal error: {type(outcome).__name__}: {outcome}"}, 500)
+    return JSONResponse({"detail": internal_error_message(outcome, request_id)}, 500)
 
 
 def _cf_failure(status: int, code: int, message: str) -> tuple[int, dict[str, Any]]:
@@ -169,12 +194,16 @@ def workers_ai_response(outcome: Outcome, request_id: str) -> Response:
     elif isinstance(outcome, ApiError):
         status, body = _cf_failure(outcome.status, outcome.cf_code, outcome.message)
         headers = outcome.headers
-    elif isinstance(outcome, _ClientGone):
+    elif isinstance(outcome, ClientGone):
         return Response(status_code=499)
     else:  # Cloudflare answers a failed inference with 529 / 5012
         status = 529 if isinstance(outcome, InferenceError) else 500
-        status, body = _cf_failure(status, 5012, f"Clef inference failed: {outcome}")
+        status, body = _cf_failure(status, 5012, f"Clef {internal_error_message(outcome, request_id)}")
     return JSONResponse(body, status, {**headers, "cf-ai-req-id": request_id})
+
+
+def _unavailable(reason: str, retry_after_s: int) -> ApiError:
+    return ApiError(503, f"{reason}; retry after {retry_after_s} s", cf_code=3040, headers={"Retry-After": str(retry_after_s)})
 
 
 # -- the server -------------------------------------------------------------------------------------
@@ -192,6 +221,7 @@ class Route(NamedTuple):
     summary: str
     response_class: type[Response] = JSONResponse
     in_schema: bool = True  # the bare Workers AI path is an alias: left out of the OpenAPI page
+    openapi: dict[str, Any] | None = None  # request body and responses (schemas.py) of a raw-Request route
 
 
 class SystemOneServer:
@@ -200,6 +230,7 @@ class SystemOneServer:
     def __init__(self, model: Clef, settings: ServerSettings):
         self.model, self.settings = model, settings
         self.metrics = ServerMetrics(queue_depth=lambda: self.batcher.depth, cache_stats=lambda: model.state_cache.stats)
+        self.parse_budget = ParseBudget(settings.max_parsing_bytes, settings.max_parsing, settings.retry_after_s)
         self.batcher = Batcher(
             model,
             self.metrics,
@@ -209,19 +240,21 @@ class SystemOneServer:
             max_queue=settings.max_queue,
         )
         self.served_names = tuple(dict.fromkeys((model.model_name, *MODEL_ALIASES)))
-        self.status = "starting"  # -> warming_up -> ready, or failed (warm_up_error says why)
+        self.status = "starting"  # -> warming_up -> ready -> shutting_down, or failed (warm_up_error says why)
         self.warm_up_error: str | None = None
+        self.worker_join_s = 5.0  # how long stopping waits for a forward in progress
         self.identity, self.models_body = self.describe()
         self.demo_page = importlib.resources.files(__package__).joinpath("demo.html").read_text(encoding="utf-8")
         self.app = self.build_app()
 
     def routes(self) -> list[Route]:
         workers_ai = "/accounts/{account}/ai/run/{model_path:path}"
+        cloudflare = f"Workers AI: run {WORKERS_AI_MODEL}"
         return [
-            Route("/v1/systemone", "POST", self.systemone, "Answer a System One request"),
-            Route("/client/v4" + workers_ai, "POST", self.workers_ai, f"Workers AI: run {WORKERS_AI_MODEL}"),
-            Route(workers_ai, "POST", self.workers_ai, f"Workers AI: run {WORKERS_AI_MODEL}", in_schema=False),
-            Route("/v1/models", "GET", self.list_models, "The served model and its aliases"),
+            Route("/v1/systemone", "POST", self.systemone, "Answer a System One request", openapi=schemas.SYSTEMONE),
+            Route("/client/v4" + workers_ai, "POST", self.workers_ai, cloudflare, openapi=schemas.WORKERS_AI),
+            Route(workers_ai, "POST", self.workers_ai, cloudflare, in_schema=False),
+            Route("/v1/models", "GET", self.list_models, "The served model and its aliases", openapi=schemas.MODELS),
             Route("/health", "GET", self.health, "Readiness, model identity and fingerprints"),
             Route("/metrics", "GET", self.prometheus, "Prometheus metrics", PlainTextResponse),
             Route("/", "GET", self.demo, "The support-ticket triage demo", HTMLResponse),
@@ -237,6 +270,7 @@ class SystemOneServer:
         )
         app.add_middleware(RequestContext, metrics=self.metrics)
         app.state.batcher, app.state.metrics, app.state.settings = self.batcher, self.metrics, self.settings
+        app.state.system_one = self
         for route in self.routes():
             app.add_api_route(
                 route.path,
@@ -245,7 +279,9 @@ class SystemOneServer:
                 summary=route.summary,
                 response_class=route.response_class,
                 include_in_schema=route.in_schema,
+                **(route.openapi or {}),
             )
+        schemas.publish_models(app)
         return app
 
     def describe(self) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -285,16 +321,38 @@ class SystemOneServer:
             yield
         finally:
             warming.cancel()
-            await asyncio.to_thread(self.batcher.stop)
+            # A forward cannot be interrupted: past the shutdown deadline, the daemon thread is left to the exit.
+            await asyncio.to_thread(self.batcher.stop, self.worker_join_s)
 
     async def warm_up(self) -> None:
         try:
             if self.settings.warm_up:
-                await self.batcher.submit(self.model.prepare(WARM_UP_REQUEST).record).future
-            self.status = "ready"
+                job = self.batcher.submit(self.model.prepare(WARM_UP_REQUEST).record, "warm-up")
+                await asyncio.wait_for(job.future, self.settings.request_timeout_s)
+            if self.status == "warming_up":
+                self.status = "ready"
         except Exception as error:
             self.status, self.warm_up_error = "failed", f"{type(error).__name__}: {error}"
             log.exception("the warm-up request failed")
+
+    def current_status(self) -> tuple[str, str | None]:
+        """(status, why not ready): the watchdog's view of the model worker, read on every /health."""
+        if self.status in ("ready", "warming_up"):
+            if not self.batcher.alive:
+                return "failed", self.batcher.death or "the model worker is not running"
+            busy = self.batcher.busy_for()
+            if busy > self.settings.request_timeout_s:
+                return "stalled", f"a forward has run for {busy:.0f} s, past the request deadline"
+        return self.status, self.warm_up_error
+
+    def begin_shutdown(self, worker_join_s: float) -> None:
+        """From now on, API requests get 503 (SIGTERM: the queue drains, transport.py); at the end,
+        the model worker is waited for `worker_join_s` at most."""
+        self.status, self.worker_join_s = "shutting_down", worker_join_s
+
+    def abandon_queue(self, reason: str) -> int:
+        """Answer every queued and running request 503 now (the shutdown deadline)."""
+        return self.batcher.abandon(reason)
 
     # -- one request, whatever the route ------------------------------------------------------
 
@@ -331,33 +389,46 @@ class SystemOneServer:
         return self.model.prepare(parsed)  # RecordTooLong: token count and limit, before inference
 
     async def wait_for(self, job: Job, request: Request) -> list[Any]:
-        """The job's result; if the client goes first, the job leaves the queue."""
+        """The job's result; if the client goes first, or the deadline passes, the job leaves the queue."""
         disconnect = asyncio.ensure_future(_wait_for_disconnect(request))
+        timeout = self.settings.request_timeout_s
         try:
-            await asyncio.wait((job.future, disconnect), return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait((job.future, disconnect), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         finally:
             disconnect.cancel()
-            if not job.future.done():  # the client went away, or this task was cancelled
+            if not job.future.done():  # the client went away, the deadline passed, or this task was cancelled
                 self.batcher.cancel(job)
-        if job.future.cancelled():
-            raise _ClientGone
-        return job.future.result()  # may raise InferenceError
+        if job.future in done:
+            return job.future.result()  # may raise InferenceError or WorkerUnavailable
+        if disconnect in done:
+            raise ClientGone
+        raise _unavailable(f"the model did not answer within {timeout:g} s", self.settings.retry_after_s)
 
     async def answer(self, request: Request) -> tuple[dict[str, Any], dict[str, str]]:
         self.check_api_key(request)
-        raw = await read_body(request, self.settings.max_body_bytes)
-        prepared = await run_in_threadpool(self.prepare, raw)  # tokenizing a 1 MiB state takes a while
+        retry_after = self.settings.retry_after_s
+        if self.status == "shutting_down":
+            raise _unavailable("the server is shutting down", retry_after)
+        check_content_type(request.headers.get("content-type"))
+        with self.parse_budget.reserve() as reservation:  # 429 past the bytes or requests being parsed
+            raw = await read_body(request, self.settings.max_body_bytes, reservation)
+            prepared = await run_in_threadpool(self.prepare, raw)  # tokenizing a 1 MiB state takes a while
+            del raw
         try:
-            job = self.batcher.submit(prepared.record)
+            job = self.batcher.submit(prepared.record, request.state.request_id)
         except QueueFull:
-            retry_after = self.settings.retry_after_s
             raise ApiError(
                 429,
                 f"the server is busy: {self.batcher.max_queue} records are queued; retry after {retry_after} s",
                 cf_code=3040,
                 headers={"Retry-After": str(retry_after)},
             ) from None
-        results = await self.wait_for(job, request)
+        except WorkerUnavailable as error:
+            raise _unavailable(str(error), retry_after) from None
+        try:
+            results = await self.wait_for(job, request)
+        except WorkerUnavailable as error:
+            raise _unavailable(str(error), retry_after) from None
         body = self.model.respond(prepared, results)
         timing = f"queue;dur={job.queue_ms():.1f}, model;dur={job.model_ms():.1f}"
         return body, {"Server-Timing": timing}
@@ -366,16 +437,16 @@ class SystemOneServer:
         """(body, headers), or the error to answer in the route's own shape."""
         try:
             return await self.answer(request)
-        except (ApiError, RequestInvalid, InferenceError, _ClientGone) as error:
+        except (ApiError, RequestInvalid, InferenceError, ClientGone) as error:
             return error
         except Exception as error:
-            log.exception("unexpected error answering a request")
+            log.exception("unexpected error answering request id %s", request.state.request_id)
             return error
 
     # -- routes ---------------------------------------------------------------------------------
 
     async def systemone(self, request: Request) -> Response:
-        return systemone_response(await self.run_route(request))
+        return systemone_response(await self.run_route(request), request.state.request_id)
 
     async def workers_ai(self, request: Request, account: str, model_path: str) -> Response:
         if model_path != WORKERS_AI_MODEL:
@@ -387,17 +458,19 @@ class SystemOneServer:
         try:
             self.check_api_key(request)
         except ApiError as error:
-            return systemone_response(error)  # /v1's error shape
+            return systemone_response(error, request.state.request_id)  # /v1's error shape
         return JSONResponse(self.models_body)
 
     async def health(self) -> Response:
-        body = {"status": self.status, **self.identity, "queue_depth": self.batcher.depth}
-        if self.warm_up_error:
-            body["error"] = self.warm_up_error
-        return JSONResponse(body, 200 if self.status == "ready" else 503)
+        status, error = self.current_status()
+        body = {"status": status, **self.identity, "queue_depth": self.batcher.depth}
+        if error:
+            body["error"] = error
+        return JSONResponse(body, 200 if status == "ready" else 503)
 
-    async def prometheus(self) -> Response:
-        return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    async def prometheus(self, request: Request) -> Response:
+        content, content_type = self.metrics.render(request.headers.get("accept"))
+        return Response(content, media_type=content_type)
 
     async def demo(self) -> Response:
         return HTMLResponse(self.demo_page)
@@ -409,7 +482,8 @@ def create_app(model: Clef, **settings: Any) -> FastAPI:
 
 
 def serve(model: Clef, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", **settings: Any) -> None:
-    """Run the app with uvicorn until interrupted (what `clef-flash serve` does)."""
-    import uvicorn
+    """Run the app under uvicorn, with the read and shutdown deadlines, until SIGTERM or ^C
+    (what `clef-flash serve` does)."""
+    from .transport import uvicorn_server
 
-    uvicorn.run(create_app(model, **settings), host=host, port=port, log_level=log_level, access_log=log_level == "debug")
+    uvicorn_server(create_app(model, **settings), host=host, port=port, log_level=log_level).run()

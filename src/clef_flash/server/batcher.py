@@ -7,6 +7,10 @@ token budget in one `Clef.score` call. Results go back to each job's event loop 
 
 A job whose client went away is `cancel`led: removed from the queue if still there, its result
 dropped if it was already running (a running forward cannot be interrupted).
+
+Nothing waits on a dead worker: if the worker thread ends by an error, every queued and running job
+fails with `WorkerUnavailable` and `submit` refuses new ones (`alive` is what /health reads). A
+batch whose results do not match its records fails the records left over, loudly.
 """
 
 from __future__ import annotations
@@ -34,11 +38,16 @@ class QueueFull(Exception):
     """The queue holds `max_queue` records already; the caller should answer 429."""
 
 
+class WorkerUnavailable(Exception):
+    """The model worker is not running (it died, or the server is shutting down); the caller answers 503."""
+
+
 @dataclass(eq=False)
 class Job:
     record: EncodedRecord
     future: asyncio.Future[list[QuestionResult]]
     loop: asyncio.AbstractEventLoop
+    request_id: str = ""  # for the log
     enqueued: float = field(default_factory=time.perf_counter)
     started: float | None = None  # when the worker took it into a batch
     finished: float | None = None
@@ -85,6 +94,9 @@ class Batcher:
         self._changed = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._running: list[Job] = []  # the batch in the model now
+        self._running_since: float | None = None
+        self.death: str | None = None  # why the worker thread ended, if it did by an error
 
     # -- the event loop's side ----------------------------------------------------------------
 
@@ -92,11 +104,24 @@ class Batcher:
     def depth(self) -> int:
         return len(self._queue)
 
-    def submit(self, record: EncodedRecord) -> Job:
-        """Queue a record; raises QueueFull when the queue is at `max_queue`."""
+    @property
+    def alive(self) -> bool:
+        """The worker thread is running and takes jobs."""
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    def busy_for(self) -> float:
+        """Seconds the batch now in the model has run (0 when idle): a stuck forward shows here."""
+        since = self._running_since
+        return 0.0 if since is None else time.perf_counter() - since
+
+    def submit(self, record: EncodedRecord, request_id: str = "") -> Job:
+        """Queue a record; raises QueueFull when the queue is at `max_queue`, WorkerUnavailable
+        when the worker is not running."""
         loop = asyncio.get_running_loop()
-        job = Job(record=record, future=loop.create_future(), loop=loop)
+        job = Job(record=record, future=loop.create_future(), loop=loop, request_id=request_id)
         with self._changed:
+            if not self.alive:
+                raise WorkerUnavailable(self.death or "the model worker is not running")
             if len(self._queue) >= self.max_queue:
                 raise QueueFull
             self._queue.append(job)
@@ -111,8 +136,7 @@ class Batcher:
                 self._queue.remove(job)
             except ValueError:
                 return False
-        with self.metrics.lock:
-            self.metrics.dropped.inc()
+        self.metrics.dropped.inc()
         return True
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -123,14 +147,22 @@ class Batcher:
             self._thread = threading.Thread(target=self._work, name="clef-flash-model", daemon=True)
             self._thread.start()
 
+    def abandon(self, reason: str) -> int:
+        """Fail every queued and running job with `WorkerUnavailable(reason)` (a running forward
+        goes on; its results are dropped). How many jobs were failed."""
+        with self._changed:
+            jobs, self._queue = [*self._running, *self._queue], deque()
+        for job in jobs:
+            self._answer(job, None, WorkerUnavailable(reason))
+        return len(jobs)
+
     def stop(self, timeout: float = 30.0) -> None:
-        """Finish the batch in progress, fail what is still queued, and end the worker."""
+        """Fail what is queued or running (503), end the worker, and wait up to `timeout` for it
+        (a forward cannot be interrupted; the thread is a daemon)."""
         with self._changed:
             self._stopping = True
-            left, self._queue = list(self._queue), deque()
             self._changed.notify_all()
-        for job in left:
-            self._answer(job, None, InferenceError("the server is shutting down"))
+        self.abandon("the server is shutting down")
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
@@ -138,11 +170,22 @@ class Batcher:
     # -- the worker's side --------------------------------------------------------------------
 
     def _work(self) -> None:
-        while True:
-            batch = self._next_batch()
-            if batch is None:
-                return
-            self._run(batch)
+        try:
+            while True:
+                batch = self._next_batch()
+                if batch is None:
+                    return
+                self._run(batch)
+                with self._changed:
+                    self._running, self._running_since = [], None
+        except BaseException as error:  # the worker is gone: nobody may wait for it (not re-raised: logged here)
+            self.death = f"the model worker stopped: {type(error).__name__}: {error}"
+            log.critical("%s; failing every queued request", self.death, exc_info=True)
+            with self._changed:
+                self._stopping = True
+            self.abandon(self.death)
+            with self._changed:
+                self._running, self._running_since = [], None
 
     def _fits(self) -> int:
         """How many queued jobs, oldest first, one forward can take: padded tokens within budget."""
@@ -164,9 +207,10 @@ class Batcher:
             if self._stopping or not self._queue:
                 return None if self._stopping else []
             batch = [self._queue.popleft() for _ in range(self._fits())]
-        started = time.perf_counter()
-        for job in batch:
-            job.started = started
+            started = time.perf_counter()
+            for job in batch:
+                job.started = started
+            self._running, self._running_since = batch, started
         return batch
 
     def _run(self, batch: list[Job]) -> None:
@@ -176,9 +220,8 @@ class Batcher:
         try:
             results = self.model.score([job.record for job in batch], timings)
         except Exception as error:
-            with self.metrics.lock:
-                self.metrics.forwards.inc(amount=timings.forwards)
-                self.metrics.tokens_reused.inc(amount=timings.tokens_reused)
+            self.metrics.forwards.inc(timings.forwards)
+            self.metrics.tokens_reused.inc(timings.tokens_reused)
             if len(batch) > 1:
                 # Run each record alone, so that one bad record fails only its own request.
                 log.warning("a batch of %d records failed (%s); retrying them one by one", len(batch), error)
@@ -186,22 +229,28 @@ class Batcher:
                     job.started = time.perf_counter()
                     self._run([job])
                 return
-            log.exception("inference failed on a record of %d tokens", batch[0].record.token_count)
-            with self.metrics.lock:
-                self.metrics.failures.inc()
-            message = f"inference failed: {type(error).__name__}: {error}"
-            self._answer(batch[0], None, InferenceError(message))
+            job = batch[0]
+            log.exception("inference failed (request id %s, %d tokens)", job.request_id, job.record.token_count)
+            self.metrics.failures.inc()
+            self._answer(job, None, InferenceError(f"inference failed: {type(error).__name__}: {error}"))
             return
         finished = time.perf_counter()
-        with self.metrics.lock:
-            self.metrics.forwards.inc(amount=timings.forwards)
-            self.metrics.tokens_reused.inc(amount=timings.tokens_reused)
-            self.metrics.batch_size.observe(len(batch))
-            self.metrics.input_tokens.inc(amount=sum(job.record.token_count for job in batch))
-            for job in batch:
-                self.metrics.record_tokens.observe(job.record.token_count)
-        for job, result in zip(batch, results):
+        self.metrics.forwards.inc(timings.forwards)
+        self.metrics.tokens_reused.inc(timings.tokens_reused)
+        self.metrics.batch_size.observe(len(batch))
+        self.metrics.input_tokens.inc(sum(job.record.token_count for job in batch))
+        results = list(results)
+        if len(results) != len(batch) or any(result is None for result in results):
+            answered = sum(result is not None for result in results[: len(batch)])
+            log.error("the model returned %d results for a batch of %d records", answered, len(batch))
+        for index, job in enumerate(batch):
             job.finished = finished
+            result = results[index] if index < len(results) else None
+            if result is None:  # never dropped silently: the request fails, loudly
+                self.metrics.failures.inc()
+                self._answer(job, None, InferenceError(f"the model returned no result for this record (batch of {len(batch)})"))
+                continue
+            self.metrics.record_tokens.observe(job.record.token_count)
             self._answer(job, result, None)
 
     @staticmethod

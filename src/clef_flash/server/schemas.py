@@ -1,0 +1,119 @@
+"""The API routes' request and response schemas, as /openapi.json publishes them.
+
+The routes read a raw `Request` (the body's size, encoding and parse budget come before JSON), so
+FastAPI cannot infer their schemas: they are declared here, from the protocol's own pydantic models
+(`SystemOneRequest`, `SystemOneResponse`) and the error bodies below, for schema-driven clients and
+fuzzers. Each route's entry is keyword arguments of `add_api_route` (see `Route.openapi` in app.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel, Field
+
+from ..request.protocol import SystemOneRequest, SystemOneResponse
+
+COMPONENTS = "#/components/schemas/{model}"
+
+
+class ValidationErrorItem(BaseModel):
+    type: str = Field(description="e.g. json_invalid, missing, record_too_long, model_not_served")
+    loc: list[str | int] = Field(description='Where in the body, from "body": ["body", "questions", "team", "criteria"]')
+    msg: str
+    input: Any = None
+    ctx: dict[str, Any] | None = None
+
+
+class ValidationErrorBody(BaseModel):
+    """422: FastAPI's shape, one item per problem."""
+
+    detail: list[ValidationErrorItem]
+
+
+class ErrorBody(BaseModel):
+    """Any other error: one line saying what to do."""
+
+    detail: str
+
+
+class CloudflareError(BaseModel):
+    code: int = Field(description="Cloudflare's code: 5006, 5012, 5021, 6003, 7000, 3040, 10000")
+    message: str
+
+
+class WorkersAIEnvelope(BaseModel):
+    """Workers AI's envelope, for the answer and for every error."""
+
+    result: SystemOneResponse | None
+    success: bool
+    errors: list[CloudflareError]
+    messages: list[Any]
+
+
+class ModelEntry(BaseModel):
+    name: str
+    description: str
+    release_date: str | None
+
+
+class ModelsBody(BaseModel):
+    models: list[ModelEntry]
+
+
+def _errors(model: type[BaseModel], statuses: dict[int, str]) -> dict[int | str, dict[str, Any]]:
+    return {status: {"model": model, "description": description} for status, description in statuses.items()}
+
+
+_ERROR_STATUSES = {
+    400: "Content-Length malformed, or the body not valid gzip / zstd",
+    401: "API key missing or wrong (only when the server has one)",
+    413: "The body is over the limit, on the wire or decompressed",
+    415: "Content-Type other than application/json, or an unknown Content-Encoding",
+    429: "Too many records queued or bodies being parsed: retry after Retry-After seconds",
+    500: "Inference or the server failed: the body names the request id to look for in the log",
+    503: "The model worker is down, the server is shutting down, or the model did not answer in time",
+}
+_REQUEST_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {"application/json": {"schema": {"$ref": COMPONENTS.format(model="SystemOneRequest")}}},
+    }
+}
+
+SYSTEMONE: dict[str, Any] = {
+    "responses": {
+        200: {"model": SystemOneResponse, "description": "One answer per question, in request order"},
+        422: {"model": ValidationErrorBody, "description": "The body is not a valid System One request"},
+        **_errors(ErrorBody, _ERROR_STATUSES),
+    },
+    "openapi_extra": _REQUEST_BODY,
+}
+WORKERS_AI: dict[str, Any] = {
+    "responses": {
+        200: {"model": WorkersAIEnvelope, "description": "The answer in `result`"},
+        **_errors(WorkersAIEnvelope, {**_ERROR_STATUSES, 422: "Invalid request (5012)", 529: "Inference failed (5012)"}),
+    },
+    "openapi_extra": _REQUEST_BODY,
+}
+MODELS: dict[str, Any] = {"responses": {200: {"model": ModelsBody, "description": "The served name and its aliases"}, 401: {"model": ErrorBody, "description": _ERROR_STATUSES[401]}}}
+
+
+def publish_models(app: FastAPI) -> None:
+    """Make `app.openapi()` carry `SystemOneRequest` (and its parts) in its components."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(
+                title=app.title, version=app.version, description=app.description, routes=app.routes
+            )
+            request_schema = SystemOneRequest.model_json_schema(ref_template=COMPONENTS)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            components.update(request_schema.pop("$defs", {}))
+            components["SystemOneRequest"] = request_schema
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
