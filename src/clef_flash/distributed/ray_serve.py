@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import signal
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -166,6 +167,7 @@ def serve_on_ray(
     handle = serve.run(app, name=APP_NAME, route_prefix="/")
     if not blocking:
         return handle
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill`, `docker stop`: clean up as for Ctrl-C
     try:
         while True:
             time.sleep(3600)
@@ -174,6 +176,10 @@ def serve_on_ray(
     finally:
         serve.shutdown() if started else serve.delete(APP_NAME)
     return None
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 __all__ = ["APP_NAME", "ClefFlash", "ServeBatcher", "deployment", "serve_on_ray"]
