@@ -223,6 +223,20 @@ def test_a_killed_driver_then_rerun_loses_and_duplicates_nothing(cluster, reques
     assert out.read_bytes() == expected
 
 
+@pytest.mark.ray
+def test_a_worker_with_another_copy_of_the_model_refuses_to_score(spec, tmp_path):
+    import dataclasses
+
+    from clef_flash.distributed.ray_batch import run_ray_batch
+    from clef_flash.errors import ClefError
+
+    job = BatchJob.open(write_requests(tmp_path / "in.jsonl", 12), tmp_path / "out.jsonl", model=made_with())
+    other = dataclasses.replace(spec, weights_fingerprint="0" * 64)
+    with pytest.raises(ClefError, match="opened another model at .* give every node the same copy$"):
+        run_ray_batch(job, other, batch_size=4, workers=1, cpus_per_worker=1)
+    assert (tmp_path / "out.jsonl").read_bytes() == b""
+
+
 # -- serve ---------------------------------------------------------------------------------------
 
 

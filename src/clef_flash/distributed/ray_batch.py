@@ -244,8 +244,16 @@ def run_ray_batch(
     try:
         return job.append(scored_blocks(tables), progress)
     except ray.exceptions.RayError as error:
-        cause = error.cause if isinstance(error, ray.exceptions.RayTaskError) else error
-        raise ClefError(f"a Ray worker failed: {type(cause).__name__}: {cause}") from error
+        raise ClefError(f"a Ray worker failed: {worker_failure(error)}") from error
+
+
+def worker_failure(error: Exception) -> str:
+    """The worker's own exception, in one line, from the Ray error that carries it."""
+    cause = getattr(error, "cause", None)  # a failed task: the worker's exception
+    if isinstance(cause, BaseException):
+        return f"{type(cause).__name__}: {cause}"
+    lines = str(error).strip().splitlines()  # an actor that died in its constructor: the traceback's last line
+    return lines[-1] if lines else type(error).__name__
 
 
 __all__ = ["Block", "BlockScorer", "plan_blocks", "run_ray_batch"]
