@@ -74,10 +74,12 @@ class EngineSpec:
         import torch
 
         from ..checkpoint import open_checkpoint
+        from ..checkpoint.sources import RANDOM_PREFIX
         from ..engine import precision_for
 
         checkpoint = open_checkpoint(source, revision=revision)
-        shipped = str(Path(source).expanduser().resolve()) if Path(source).expanduser().is_dir() else str(source)
+        local = str(source) != "tiny" and not str(source).startswith(RANDOM_PREFIX) and Path(source).expanduser().is_dir()
+        shipped = str(Path(source).expanduser().resolve()) if local else str(source)  # a hub id: each node downloads it
         return cls(
             source=shipped,
             precision=precision_for(checkpoint, torch.device(device), precision).name,

@@ -43,6 +43,7 @@ from ..errors import ClefError
 from . import EngineSpec, connect, require_ray
 
 READ_CPUS = 0.25  # each read task's share: reading is light, and must not wait behind the scorers
+BLOCKS_PER_READ = 16  # input blocks per read task: few tasks, each streaming its blocks one by one
 RESERVED_CPUS = 0.5  # what the default leaves for the read tasks and the driver on the smallest node
 
 
@@ -230,7 +231,9 @@ def run_ray_batch(
     context.print_on_execution_start = False
     log_once("ray_data_progress_manager_disabled")  # and Ray Data need not say that it is off
     dataset = ray.data.read_datasource(
-        input_blocks(job.input_path, batch_size, blocks), override_num_blocks=max(1, len(blocks)), num_cpus=READ_CPUS
+        input_blocks(job.input_path, batch_size, blocks),
+        override_num_blocks=max(1, math.ceil(len(blocks) / BLOCKS_PER_READ)),  # read tasks; each yields its blocks
+        num_cpus=READ_CPUS,
     ).map_batches(
         BlockScorer,
         fn_constructor_kwargs={"spec": spec, "schemas": job.schemas},
