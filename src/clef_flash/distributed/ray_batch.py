@@ -19,6 +19,8 @@ is one file written by the driver, not Ray Data's writers (a directory of files 
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import io
 import math
 from collections.abc import Iterator
@@ -215,39 +217,53 @@ def run_ray_batch(
     """Score what `job`'s output lacks on Ray (joining `address`, or starting a local cluster) and
     append it as `job.run` would. Each worker runs `spec` with max(1, round(cpus_per_worker)) threads
     unless the spec says otherwise."""
-    ray = require_ray()
+    require_ray()
     connect(address)
     import ray.data
-    from ray.util.debug import log_once
 
     check_batch_size(batch_size)
     resources = plan_resources(workers, cpus_per_worker, gpus_per_worker)
     if spec.threads is None:
-        spec = EngineSpec(**{**spec.__dict__, "threads": max(1, round(resources.cpus_per_worker))})
+        spec = dataclasses.replace(spec, threads=max(1, round(resources.cpus_per_worker)))
     blocks = plan_blocks(job, batch_size)
+    with ordered_execution():
+        dataset = ray.data.read_datasource(
+            input_blocks(job.input_path, batch_size, blocks),
+            override_num_blocks=max(1, math.ceil(len(blocks) / BLOCKS_PER_READ)),  # read tasks; each yields its blocks
+            num_cpus=READ_CPUS,
+        ).map_batches(
+            BlockScorer,
+            fn_constructor_kwargs={"spec": spec, "schemas": job.schemas},
+            batch_size=1,  # one input block per call: the local job's batches
+            batch_format="pyarrow",
+            compute=ray.data.ActorPoolStrategy(size=resources.workers, max_tasks_in_flight_per_actor=2),
+            num_cpus=resources.cpus_per_worker,
+            num_gpus=resources.gpus_per_worker or None,
+        )
+        tables = dataset.iter_batches(batch_size=None, batch_format="pyarrow") if blocks else iter(())
+        try:
+            return job.append(scored_blocks(tables), progress)
+        except ray.exceptions.RayError as error:
+            raise ClefError(f"a Ray worker failed: {worker_failure(error)}") from error
+
+
+@contextlib.contextmanager
+def ordered_execution() -> Iterator[None]:
+    """Ray Data's process-wide context, for this job only: blocks in input order, no progress bars (ours
+    counts lines), no execution banner; what it was is put back afterwards."""
+    import ray.data
+    from ray.util.debug import log_once
+
     context = ray.data.DataContext.get_current()
-    context.execution_options.preserve_order = True  # blocks come back in input order
-    context.enable_progress_bars = False  # ours counts lines
+    before = (context.execution_options.preserve_order, context.enable_progress_bars, context.print_on_execution_start)
+    context.execution_options.preserve_order = True
+    context.enable_progress_bars = False
     context.print_on_execution_start = False
-    log_once("ray_data_progress_manager_disabled")  # and Ray Data need not say that it is off
-    dataset = ray.data.read_datasource(
-        input_blocks(job.input_path, batch_size, blocks),
-        override_num_blocks=max(1, math.ceil(len(blocks) / BLOCKS_PER_READ)),  # read tasks; each yields its blocks
-        num_cpus=READ_CPUS,
-    ).map_batches(
-        BlockScorer,
-        fn_constructor_kwargs={"spec": spec, "schemas": job.schemas},
-        batch_size=1,  # one input block per call: the local job's batches
-        batch_format="pyarrow",
-        compute=ray.data.ActorPoolStrategy(size=resources.workers, max_tasks_in_flight_per_actor=2),
-        num_cpus=resources.cpus_per_worker,
-        num_gpus=resources.gpus_per_worker or None,
-    )
-    tables = dataset.iter_batches(batch_size=None, batch_format="pyarrow") if blocks else iter(())
+    log_once("ray_data_progress_manager_disabled")  # and Ray Data need not warn that they are off
     try:
-        return job.append(scored_blocks(tables), progress)
-    except ray.exceptions.RayError as error:
-        raise ClefError(f"a Ray worker failed: {worker_failure(error)}") from error
+        yield
+    finally:
+        context.execution_options.preserve_order, context.enable_progress_bars, context.print_on_execution_start = before
 
 
 def worker_failure(error: Exception) -> str:
