@@ -1,6 +1,7 @@
 """Batch scoring: a JSONL file of requests (or of states plus schemas) to JSONL answers, resumable.
 
-Input, one JSON value per line; blank lines are skipped but counted, so line numbers are the file's:
+Input, one JSON value per line; blank lines are skipped but counted, so line numbers are the file's
+(a `.parquet` file instead: each row is the JSON object of its columns, numbered from 1):
 - requests: each line is a System One request; its top-level `"id"` (any JSON value) is carried over.
 - states plus one or more schemas (`{"questions": {...}, "model"?: ...}`): a line that is an object
   with a `"state"` key is a row `{"state": ..., "id"?: ...}`; any other value (a string, an object
@@ -32,7 +33,7 @@ import itertools
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -103,9 +104,14 @@ def decode_json(raw: bytes) -> Any:
         raise
 
 
+def schema_numbers(schemas: list[dict[str, Any]]) -> list[int | None]:
+    """What each row of an input line says in `"schema"`: None unless there are several schemas."""
+    return list(range(len(schemas))) if len(schemas) > 1 else [None]
+
+
 def decode_rows(line: int, raw: bytes, schemas: list[dict[str, Any]]) -> list[Row]:
     """An input line's rows: the request itself, or its state with each schema (numbered when several)."""
-    numbers: list[int | None] = list(range(len(schemas))) if len(schemas) > 1 else [None]
+    numbers = schema_numbers(schemas)
     try:
         value = decode_json(raw)
     except RequestInvalid as error:
@@ -120,12 +126,45 @@ def decode_rows(line: int, raw: bytes, schemas: list[dict[str, Any]]) -> list[Ro
     return [Row(line, row_id, request={**schema, "state": state}, schema=number) for schema, number in zip(schemas, numbers)]
 
 
+def nonblank_lines(lines: Iterable[bytes], first: int = 1) -> Iterator[tuple[int, bytes]]:
+    """(line number, content) of every non-blank line of `lines` (a binary file, or a block of one
+    read back from memory), numbered from `first`."""
+    for number, raw in enumerate(lines, start=first):
+        if raw.strip():
+            yield number, raw.rstrip(b"\r\n")
+
+
+def is_parquet(path: Path) -> bool:
+    return path.suffix.lower() in (".parquet", ".pq")
+
+
+def parquet_lines(path: Path, start: int = 0, stop: int | None = None) -> Iterator[tuple[int, bytes]]:
+    """(row number from 1, the row as a JSON object) of rows `start..stop` (0-based, `stop` excluded)
+    of a Parquet file; a column holding text stays text (with --schema, a `state` column is the state)."""
+    try:
+        import pyarrow.parquet as parquet
+    except ImportError:
+        raise ClefError('reading Parquet needs pyarrow: pip install pyarrow (or "clef-flash[ray]")') from None
+    source = parquet.ParquetFile(path)
+    stop = source.metadata.num_rows if stop is None else stop
+    number = 0  # the first row of each row group; only the groups that hold start..stop are read
+    for group in range(source.metadata.num_row_groups):
+        rows = source.metadata.row_group(group).num_rows
+        low, high = max(start, number), min(stop, number + rows)
+        if low < high:
+            table = source.read_row_group(group).slice(low - number, high - low)
+            for offset, row in enumerate(table.to_pylist()):
+                yield low + offset + 1, json.dumps(row, default=str).encode()  # ASCII: no surrogate can fail
+        number += rows
+
+
 def input_lines(path: Path) -> Iterator[tuple[int, bytes]]:
-    """(line number from 1, content) of every non-blank line."""
+    """(line number from 1, content) of every non-blank line; a Parquet file's rows as JSON objects."""
+    if is_parquet(path):
+        yield from parquet_lines(path)
+        return
     with open(path, "rb") as handle:
-        for number, raw in enumerate(handle, start=1):
-            if raw.strip():
-                yield number, raw.rstrip(b"\r\n")
+        yield from nonblank_lines(handle)
 
 
 def read_jsonl(path: str | os.PathLike[str]) -> list[tuple[int, Any]]:
@@ -160,6 +199,15 @@ def score_rows(model: Clef, rows: list[Row]) -> list[dict[str, Any]]:
     for (position, prepared), per_question in zip(valid, results):
         outputs[position] = {**rows[position].head(), **model.respond(prepared, per_question)}
     return outputs  # type: ignore[return-value]
+
+
+OutputLine = tuple[tuple[int, "int | None"], bytes, bool]
+"""One output line as written: its row's (input line, schema) key, its bytes, whether it is an error."""
+
+
+def score_block(model: Clef, rows: list[Row]) -> list[OutputLine]:
+    """A block's output lines, in row order (what a local job and a Ray worker both write)."""
+    return [(row.key, json_line(output), "error" in output) for row, output in zip(rows, score_rows(model, rows))]
 
 
 def json_line(value: Any) -> bytes:
@@ -208,6 +256,11 @@ def describe_differences(recorded: dict[str, Any], current: dict[str, Any]) -> l
     if recorded.get("model") != current["model"]:
         differences.append(f"its model was {model_words(recorded.get('model'))}, this run's is {model_words(current['model'])}")
     return differences
+
+
+def check_batch_size(batch_size: int) -> None:
+    if batch_size < 1:
+        raise ClefError(f"--batch-size must be at least 1; got {batch_size}")
 
 
 @dataclass
@@ -306,32 +359,39 @@ class BatchJob:
         """Output lines a finished job has."""
         return sum(1 for _ in input_lines(self.input_path)) * max(1, len(self.schemas))
 
-    def run(
-        self, model: Clef, *, batch_size: int = DEFAULT_BATCH_SIZE, progress: ProgressBar | None = None
-    ) -> Summary:
-        if batch_size < 1:
-            raise ClefError(f"--batch-size must be at least 1; got {batch_size}")
+    def blocks(self, batch_size: int) -> Iterator[list[Row]]:
+        """The rows of each fixed block of `batch_size` input lines (1..N, N+1..2N, ...) that still has
+        a line to write: the whole block, done lines included, so it is the same batch as in an
+        uninterrupted run."""
+        for _, block in itertools.groupby(input_lines(self.input_path), key=lambda item: (item[0] - 1) // batch_size):
+            rows = [row for number, raw in block for row in decode_rows(number, raw, self.schemas)]
+            if not all(row.key in self.done for row in rows):
+                yield rows
+
+    def append(self, blocks: Iterable[list[OutputLine]], progress: ProgressBar | None = None) -> Summary:
+        """Write the lines of each scored block that the output lacks, block by block in the order
+        given, each block appended, flushed and fsynced: what a rerun resumes from."""
         if self.fresh:
             self._start()
         start = time.perf_counter()
         written = errors = 0
         with open(self.output, "ab") as sink:
-            blocks = itertools.groupby(input_lines(self.input_path), key=lambda item: (item[0] - 1) // batch_size)
-            for _, block in blocks:
-                # The whole block, done lines included: the same batch as an uninterrupted run.
-                rows = [row for number, raw in block for row in decode_rows(number, raw, self.schemas)]
-                if all(row.key in self.done for row in rows):
-                    continue
-                missing = [
-                    output for row, output in zip(rows, score_rows(model, rows)) if row.key not in self.done
-                ]
-                sink.write(b"".join(json_line(output) for output in missing))
+            for block in blocks:
+                missing = [(line, error) for key, line, error in block if key not in self.done]
+                sink.write(b"".join(line for line, _ in missing))
                 sink.flush()
                 os.fsync(sink.fileno())
                 written += len(missing)
-                errors += sum("error" in output for output in missing)
+                errors += sum(error for _, error in missing)
                 if progress is not None:
                     progress.advance(len(missing))
         if progress is not None:
             progress.finish()
         return Summary(written=written, errors=errors, skipped=len(self.done), seconds=time.perf_counter() - start)
+
+    def run(
+        self, model: Clef, *, batch_size: int = DEFAULT_BATCH_SIZE, progress: ProgressBar | None = None
+    ) -> Summary:
+        """Score what the output lacks, in this process (`distributed.ray_batch` does it on Ray)."""
+        check_batch_size(batch_size)
+        return self.append((score_block(model, rows) for rows in self.blocks(batch_size)), progress)

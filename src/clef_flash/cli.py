@@ -3,8 +3,9 @@
     clef-flash tiny DIR                       write a random release (real vocabulary) for smoke tests
     clef-flash answer --model SRC [REQUEST]   answer a System One request (file, stdin, or flags)
     clef-flash render [REQUEST]               show the rendered prompt, spans and token counts
-    clef-flash serve --model SRC              a System One HTTP server, with a triage demo page at /
-    clef-flash batch IN OUT --model SRC       JSONL requests (or states + --schema) to JSONL answers; resumable
+    clef-flash serve --model SRC              a System One HTTP server, with a triage demo page at /; --ray: Ray Serve
+    clef-flash batch IN OUT --model SRC       JSONL requests (or states + --schema) to JSONL answers; resumable;
+                                              --ray: on a Ray cluster (Ray Data), the same output
     clef-flash eval agreement REQUESTS        --model A vs --against-model B: answers that differ, |dp|, near-ties
     clef-flash eval labelled FILE --model SRC accuracy, macro-F1, log-loss, Brier, ECE, a reliability diagram
     clef-flash bench [--random NAME]          latency percentiles, records/s, tokens/s, peak RSS
@@ -260,30 +261,82 @@ def command_answer(args: argparse.Namespace) -> int:
 
 def command_serve(args: argparse.Namespace) -> int:
     from .request.records import DEFAULT_MAX_LENGTH
+
+    check_ray_flags(args, "--address", "--replicas", "--cpus-per-worker", "--gpus-per-worker")
+    settings = {
+        "api_key": args.api_key or None,
+        "max_body_bytes": args.max_body_bytes,
+        "batch_tokens": args.batch_tokens,
+        "batch_wait_ms": args.batch_wait_ms,
+        "max_batch": args.max_batch,
+        "max_queue": args.max_queue,
+        "max_parsing_bytes": args.max_parsing_bytes,
+        "request_timeout_s": args.request_timeout,
+        "header_timeout_s": args.header_timeout,
+        "body_timeout_s": args.body_timeout,
+        "max_connections": args.max_connections,
+        "shutdown_timeout_s": args.shutdown_timeout,
+    }
+    if args.ray:
+        spec = engine_spec(args, max_length=args.max_length or DEFAULT_MAX_LENGTH)
+        from .distributed.ray_serve import serve_on_ray
+
+        replicas = args.replicas or 1
+        print(
+            f"serving {spec.source} ({spec.precision}, {replicas} replica{'s' * (replicas > 1)} on Ray) "
+            f"on http://{args.host}:{args.port}/",
+            file=sys.stderr,
+        )
+        serve_on_ray(
+            spec,
+            settings,
+            host=args.host,
+            port=args.port,
+            address=args.address,
+            replicas=replicas,
+            cpus_per_replica=args.cpus_per_worker or 1.0,
+            gpus_per_replica=args.gpus_per_worker or 0.0,
+        )
+        return 0
     from .server import serve
 
     model = load_model(args, max_length=args.max_length or DEFAULT_MAX_LENGTH)
     meaning = ": the answers mean nothing" if model.is_random else ""
     print(f"serving {model!r} on http://{args.host}:{args.port}/{meaning}", file=sys.stderr)
-    serve(
-        model,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        api_key=args.api_key or None,
-        max_body_bytes=args.max_body_bytes,
-        batch_tokens=args.batch_tokens,
-        batch_wait_ms=args.batch_wait_ms,
-        max_batch=args.max_batch,
-        max_queue=args.max_queue,
-        max_parsing_bytes=args.max_parsing_bytes,
-        request_timeout_s=args.request_timeout,
-        header_timeout_s=args.header_timeout,
-        body_timeout_s=args.body_timeout,
-        max_connections=args.max_connections,
-        shutdown_timeout_s=args.shutdown_timeout,
-    )
+    serve(model, host=args.host, port=args.port, log_level=args.log_level, **settings)
     return 0
+
+
+def check_ray_flags(args: argparse.Namespace, *flags: str) -> None:
+    """Flags that only mean something on Ray need --ray; --ray needs Ray installed (one line if not)."""
+    if args.ray:
+        from .distributed import require_ray
+
+        require_ray()
+        return
+    given = [flag for flag in flags if getattr(args, flag.lstrip("-").replace("-", "_")) is not None]
+    if given:
+        raise ClefError(f"{', '.join(given)} {'need' if len(given) > 1 else 'needs'} --ray")
+
+
+def engine_spec(args: argparse.Namespace, **options: Any):
+    """What each Ray worker loads: --model and the precision resolved here, once, for the workers'
+    device (cuda with --gpus-per-worker, else cpu); never weights."""
+    from .distributed import EngineSpec
+
+    device = "cuda" if args.gpus_per_worker else "cpu"
+    if args.device not in ("auto", device):
+        raise ClefError(f"on Ray the workers' device follows --gpus-per-worker ({device} here), not --device {args.device}")
+    return EngineSpec.resolve(
+        args.model,
+        precision=args.precision,
+        device=device,
+        revision=args.revision,
+        state_cache_mb=args.state_cache_mb,
+        segment_tokens=args.segment_tokens,
+        resident_layers=args.resident_layers,
+        **options,
+    )
 
 
 def command_render(args: argparse.Namespace) -> int:
@@ -329,10 +382,16 @@ def command_batch(args: argparse.Namespace) -> int:
     from .checkpoint import open_checkpoint
     from .engine import pick_device, precision_for
 
+    check_ray_flags(args, "--address", "--workers", "--cpus-per-worker", "--gpus-per-worker")
+    max_length = args.max_length or DEFAULT_MAX_LENGTH
     # The precision as resolved on this machine, not as asked: a job resumed on another kind of CPU,
     # whose default differs, is refused instead of mixing precisions in one output.
-    checkpoint = open_checkpoint(args.model, revision=args.revision)
-    args.precision = precision_for(checkpoint, pick_device(args.device), args.precision).name
+    if args.ray:
+        spec = engine_spec(args, max_length=max_length)
+        args.precision = spec.precision
+    else:
+        checkpoint = open_checkpoint(args.model, revision=args.revision)
+        args.precision = precision_for(checkpoint, pick_device(args.device), args.precision).name
     made_with = {"source": args.model, "revision": args.revision, "precision": args.precision, "max_length": args.max_length}
     job = BatchJob.open(args.input, args.output, schema_path=args.schema, model=made_with, overwrite=args.overwrite)
     total = job.total()
@@ -340,8 +399,22 @@ def command_batch(args: argparse.Namespace) -> int:
         print(f"resuming: {len(job.done)} of {total} lines are already in {args.output}", file=sys.stderr)
     if not job.fresh and len(job.done) == total:
         return 0
-    model = load_model(args, max_length=args.max_length or DEFAULT_MAX_LENGTH)
-    summary = job.run(model, batch_size=args.batch_size, progress=ProgressBar(total, "batch", done=len(job.done)))
+    progress = ProgressBar(total, "batch", done=len(job.done))
+    if args.ray:
+        from .distributed.ray_batch import run_ray_batch
+
+        summary = run_ray_batch(
+            job,
+            spec,
+            batch_size=args.batch_size,
+            workers=args.workers or 1,
+            cpus_per_worker=args.cpus_per_worker,
+            gpus_per_worker=args.gpus_per_worker or 0.0,
+            address=args.address,
+            progress=progress,
+        )
+    else:
+        summary = job.run(load_model(args, max_length=max_length), batch_size=args.batch_size, progress=progress)
     print(
         f"wrote {summary.written} lines ({summary.errors} errors) to {args.output} in {summary.seconds:.1f} s",
         file=sys.stderr,
@@ -462,6 +535,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be more than 0; got {text}")
+    return value
+
+
 def non_negative_float(text: str) -> float:
     value = float(text)
     if not value >= 0:  # also refuses nan
@@ -570,6 +650,23 @@ DEVICE_ARGUMENTS = (
         metavar="N",
         help="run long records N tokens at a time, which bounds their memory (default 2048)",
     ),
+)
+
+RAY_ARGUMENTS = (
+    arg("--ray", action="store_true", help='run on a Ray cluster (pip install "clef-flash[ray]")'),
+    arg(
+        "--address",
+        help="the Ray cluster to join: HOST:6379 (`ray start --head` prints it), auto, or ray://HOST:10001; "
+        "default $RAY_ADDRESS, else a new local cluster",
+    ),
+    arg(
+        "--cpus-per-worker",
+        type=positive_float,
+        metavar="C",
+        help="CPUs each Ray worker reserves, fractions allowed (batch default: an equal share of the cluster's "
+        "CPUs less 0.5 for Ray Data's reads and the driver; serve default 1); its torch threads: C rounded, at least 1",
+    ),
+    arg("--gpus-per-worker", type=non_negative_float, metavar="G", help="GPUs each Ray worker reserves; > 0 runs it on cuda"),
 )
 
 EVALUATIONS = (
@@ -711,6 +808,8 @@ COMMANDS = (
                 help="after SIGTERM, queued requests may finish for this long; then they get 503 and the process exits (default 30)",
             ),
             arg("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="default info"),
+            *RAY_ARGUMENTS,
+            arg("--replicas", type=positive_int, help="with --ray: engines behind Ray Serve's proxy (default 1)"),
         ),
     ),
     Command(
@@ -731,11 +830,15 @@ COMMANDS = (
             arg("--batch-size", type=positive_int, default=32, help="input lines scored together and written at once (default 32)"),
             arg("--max-length", type=positive_int, help="token limit per record; longer ones get an error line (default 65536)"),
             arg("--overwrite", action="store_true", help="start over, replacing OUTPUT, instead of resuming"),
+            *RAY_ARGUMENTS,
+            arg("--workers", type=positive_int, help="with --ray: scoring actors, one engine each (default 1)"),
         ),
         description="Each input line is a System One request, or with --schema a state: a JSON object "
         '{"state": ..., "id": ...} or any other JSON value used as the state itself. Each output line is '
         '{"line", "id", ...the response body} or {"line", "id", "error": {"detail": [...]}}, in input order; '
-        "id is the input's own (exactly) or its line number. Rerun the same command after a crash to resume.",
+        "id is the input's own (exactly) or its line number. Rerun the same command after a crash to resume. "
+        "A .parquet input: each row is the JSON object of its columns. --ray: Ray Data reads the input on this "
+        "machine, --workers actors score it (each loads --model itself), this process writes OUTPUT in order.",
     ),
     Command(
         "eval",

@@ -224,21 +224,27 @@ class Route(NamedTuple):
     openapi: dict[str, Any] | None = None  # request body and responses (schemas.py) of a raw-Request route
 
 
+def build_batcher(model: Clef, metrics: ServerMetrics, settings: ServerSettings, kind: type[Batcher] = Batcher) -> Batcher:
+    """The queue and model runner with the settings' limits: by default the in-process queue and worker
+    thread (Ray Serve passes its `@serve.batch` one: distributed/ray_serve.py)."""
+    return kind(
+        model,
+        metrics,
+        batch_tokens=settings.batch_tokens or model.batch_tokens,
+        max_batch=settings.max_batch,
+        batch_wait_s=settings.batch_wait_ms / 1000,
+        max_queue=settings.max_queue,
+    )
+
+
 class SystemOneServer:
     """A loaded model behind HTTP: settings, the batcher and its metrics, readiness, and the routes."""
 
-    def __init__(self, model: Clef, settings: ServerSettings):
+    def __init__(self, model: Clef, settings: ServerSettings, make_batcher: Callable[..., Batcher] = build_batcher):
         self.model, self.settings = model, settings
         self.metrics = ServerMetrics(queue_depth=lambda: self.batcher.depth, cache_stats=lambda: model.state_cache.stats)
         self.parse_budget = ParseBudget(settings.max_parsing_bytes, settings.max_parsing, settings.retry_after_s)
-        self.batcher = Batcher(
-            model,
-            self.metrics,
-            batch_tokens=settings.batch_tokens or model.batch_tokens,
-            max_batch=settings.max_batch,
-            batch_wait_s=settings.batch_wait_ms / 1000,
-            max_queue=settings.max_queue,
-        )
+        self.batcher = make_batcher(model, self.metrics, settings)
         self.served_names = tuple(dict.fromkeys((model.model_name, *MODEL_ALIASES)))
         self.status = "starting"  # -> warming_up -> ready -> shutting_down, or failed (warm_up_error says why)
         self.warm_up_error: str | None = None
@@ -476,9 +482,10 @@ class SystemOneServer:
         return HTMLResponse(self.demo_page)
 
 
-def create_app(model: Clef, **settings: Any) -> FastAPI:
-    """The server app around a loaded model. `settings`: the fields of `ServerSettings`."""
-    return SystemOneServer(model, ServerSettings(**settings)).app
+def create_app(model: Clef, *, make_batcher: Callable[..., Batcher] = build_batcher, **settings: Any) -> FastAPI:
+    """The server app around a loaded model. `settings`: the fields of `ServerSettings`; `make_batcher`:
+    what queues records and runs the model, `(model, metrics, settings) -> Batcher`."""
+    return SystemOneServer(model, ServerSettings(**settings), make_batcher).app
 
 
 def serve(model: Clef, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", **settings: Any) -> None:

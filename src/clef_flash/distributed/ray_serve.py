@@ -1,0 +1,185 @@
+"""`clef-flash serve --ray`: the System One server as a Ray Serve deployment.
+
+Each replica loads one engine from an `EngineSpec` and serves the very app `create_app` builds for
+the local server (its FastAPI ingress, late-bound per replica): the same routes, bodies, limits,
+errors, health and metrics by construction. The one seam is the batcher: `ServeBatcher` keeps the
+local batcher's interface and its batch runner (`Batcher._run`: metrics, a failed batch retried one
+record at a time, 500s), and replaces its queue and worker thread with Ray Serve's `@serve.batch`.
+
+Ray Serve's proxy sits in front: it load-balances across replicas, adds its own `x-request-id`
+(the app echoes it, so this module drops the app's copy rather than send the header twice), and
+answers some things itself (README: its 503 backpressure and its timeouts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import signal
+import time
+from typing import TYPE_CHECKING, Any
+
+from ray import serve
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ..server.app import ServerSettings, build_batcher, create_app
+from ..server.batcher import Batcher, Job, QueueFull
+from ..server.metrics import ServerMetrics
+from ..errors import InferenceError
+from ..engine import fitting
+from . import EngineSpec, connect
+
+if TYPE_CHECKING:
+    from ..engine import Clef
+
+APP_NAME = "clef-flash"
+HEADROOM_REQUESTS = 16  # requests a replica takes beyond its queue and batch: /health, /metrics, the demo
+
+
+class ServeBatcher(Batcher):
+    """`Batcher` with `@serve.batch` as its queue: records wait in Ray Serve's batch queue (bounded here
+    by `max_queue`, so a full replica answers 429 as the local server does) and run as a batch of at
+    most `max_batch` records whose padded tokens fit `batch_tokens`, one batch at a time, off the loop."""
+
+    def __init__(self, model: Clef, metrics: ServerMetrics, **limits: Any):
+        super().__init__(model, metrics, **limits)
+        self._waiting: set[Job] = set()  # submitted, not yet taken into a batch
+        self._tasks: set[asyncio.Task] = set()
+
+        def batch_size(jobs: list[Job]) -> int:
+            """What Serve counts against `max_batch`: over it once the padded tokens pass the budget."""
+            fits = fitting((job.record.token_count for job in jobs), self.batch_tokens, self.max_batch)
+            return len(jobs) if fits == len(jobs) else self.max_batch + 1
+
+        async def score_batch(jobs: list[Job]) -> list[None]:
+            started = time.perf_counter()
+            for job in jobs:
+                self._waiting.discard(job)
+                job.started = started
+            live = [job for job in jobs if not job.future.cancelled()]
+            if live:
+                await asyncio.to_thread(self._run, live)  # answers each job's future, as the worker thread does
+            return [None] * len(jobs)
+
+        self._enqueue = serve.batch(
+            max_batch_size=self.max_batch, batch_wait_timeout_s=self.batch_wait_s, batch_size_fn=batch_size
+        )(score_batch)
+
+    @property
+    def depth(self) -> int:
+        return len(self._waiting)
+
+    def submit(self, record: Any) -> Job:
+        loop = asyncio.get_running_loop()
+        if len(self._waiting) >= self.max_queue:
+            raise QueueFull
+        job = Job(record=record, future=loop.create_future(), loop=loop)
+        self._waiting.add(job)
+        task = loop.create_task(self._enqueue(job))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return job
+
+    def cancel(self, job: Job) -> bool:
+        job.future.cancel()
+        if job not in self._waiting:
+            return False
+        self._waiting.discard(job)  # Serve's queue skips a cancelled job when its batch comes
+        with self.metrics.lock:
+            self.metrics.dropped.inc()
+        return True
+
+    def start(self) -> None:
+        pass  # Serve's batch queue starts with the first record
+
+    def stop(self, timeout: float = 30.0) -> None:
+        for job in list(self._waiting):
+            self._answer(job, None, InferenceError("the server is shutting down"))
+        self._waiting.clear()
+
+
+class OneRequestIdHeader:
+    """Drops the app's `x-request-id` from responses: Ray Serve's proxy adds the same id itself (the
+    app received it from the proxy and echoed it), and one header is what the local server sends."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def send_once(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [(name, value) for name, value in message["headers"] if name.lower() != b"x-request-id"]
+            await send(message)
+
+        await self.app(scope, receive, send_once)
+
+
+@serve.deployment(name="ClefFlash")
+@serve.ingress()
+class ClefFlash:
+    """A replica: one engine and the local server's app around it."""
+
+    def __init__(self, spec: EngineSpec, settings: dict[str, Any]):
+        self.model = spec.load()
+        self.settings = settings
+
+    def __serve_build_asgi_app__(self) -> ASGIApp:
+        make_batcher = functools.partial(build_batcher, kind=ServeBatcher)
+        return OneRequestIdHeader(create_app(self.model, make_batcher=make_batcher, **self.settings))
+
+
+def deployment(
+    spec: EngineSpec,
+    settings: dict[str, Any],
+    *,
+    replicas: int = 1,
+    cpus_per_replica: float = 1.0,
+    gpus_per_replica: float = 0.0,
+) -> Any:
+    """The bound application: `replicas` engines, each taking up to its queue, a batch and some
+    headroom at once, so that the app's own limits (429) answer before Serve's proxy queues."""
+    checked = ServerSettings(**settings)
+    return ClefFlash.options(
+        num_replicas=replicas,
+        max_ongoing_requests=checked.max_queue + checked.max_batch + HEADROOM_REQUESTS,
+        ray_actor_options={"num_cpus": cpus_per_replica, "num_gpus": gpus_per_replica},
+    ).bind(spec, settings)
+
+
+def serve_on_ray(
+    spec: EngineSpec,
+    settings: dict[str, Any],
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    address: str | None = None,
+    replicas: int = 1,
+    cpus_per_replica: float = 1.0,
+    gpus_per_replica: float = 0.0,
+    blocking: bool = True,
+) -> Any:
+    """Deploy on Ray (joining `address`, or a new local cluster) behind Serve's proxy on host:port.
+    Blocking: until interrupted, then the application is deleted (and Serve shut down when this call
+    started the cluster). Otherwise returns the deployment handle."""
+    started = connect(address)
+    serve.start(http_options={"host": host, "port": port})
+    app = deployment(spec, settings, replicas=replicas, cpus_per_replica=cpus_per_replica, gpus_per_replica=gpus_per_replica)
+    handle = serve.run(app, name=APP_NAME, route_prefix="/")
+    if not blocking:
+        return handle
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill`, `docker stop`: clean up as for Ctrl-C
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.shutdown() if started else serve.delete(APP_NAME)
+    return None
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+__all__ = ["APP_NAME", "ClefFlash", "ServeBatcher", "deployment", "serve_on_ray"]
