@@ -23,9 +23,8 @@ from ray import serve
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..server.app import ServerSettings, build_batcher, create_app
-from ..server.batcher import Batcher, Job, QueueFull
+from ..server.batcher import Batcher, Job, QueueFull, WorkerUnavailable
 from ..server.metrics import ServerMetrics
-from ..errors import InferenceError
 from ..engine import fitting
 from . import EngineSpec, connect
 
@@ -58,7 +57,11 @@ class ServeBatcher(Batcher):
                 job.started = started
             live = [job for job in jobs if not job.future.cancelled()]
             if live:
-                await asyncio.to_thread(self._run, live)  # answers each job's future, as the worker thread does
+                self._running, self._running_since = live, started  # what the watchdog (busy_for) reads
+                try:
+                    await asyncio.to_thread(self._run, live)  # answers each job's future, as the worker thread does
+                finally:
+                    self._running, self._running_since = [], None
             return [None] * len(jobs)
 
         self._enqueue = serve.batch(
@@ -69,11 +72,18 @@ class ServeBatcher(Batcher):
     def depth(self) -> int:
         return len(self._waiting)
 
-    def submit(self, record: Any) -> Job:
+    @property
+    def alive(self) -> bool:
+        """Serve's batch queue runs while the replica does (no worker thread of ours to watch)."""
+        return not self._stopping
+
+    def submit(self, record: Any, request_id: str = "") -> Job:
         loop = asyncio.get_running_loop()
+        if self._stopping:
+            raise WorkerUnavailable("the server is shutting down")
         if len(self._waiting) >= self.max_queue:
             raise QueueFull
-        job = Job(record=record, future=loop.create_future(), loop=loop)
+        job = Job(record=record, future=loop.create_future(), loop=loop, request_id=request_id)
         self._waiting.add(job)
         task = loop.create_task(self._enqueue(job))
         self._tasks.add(task)
@@ -85,17 +95,22 @@ class ServeBatcher(Batcher):
         if job not in self._waiting:
             return False
         self._waiting.discard(job)  # Serve's queue skips a cancelled job when its batch comes
-        with self.metrics.lock:
-            self.metrics.dropped.inc()
+        self.metrics.dropped.inc()
         return True
 
     def start(self) -> None:
         pass  # Serve's batch queue starts with the first record
 
-    def stop(self, timeout: float = 30.0) -> None:
-        for job in list(self._waiting):
-            self._answer(job, None, InferenceError("the server is shutting down"))
+    def abandon(self, reason: str) -> int:
+        jobs = [*self._running, *self._waiting]
         self._waiting.clear()
+        for job in jobs:
+            self._answer(job, None, WorkerUnavailable(reason))
+        return len(jobs)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stopping = True
+        self.abandon("the server is shutting down")
 
 
 class OneRequestIdHeader:
