@@ -92,7 +92,8 @@ def test_batch_invariance(ours, name):
         {result.question_id: dict(zip(result.option_ids, result.logits)) for result in per_question}
         for per_question in model.score([model.encode(request) for request in requests], timings)
     ]
-    assert timings.forwards == 1, "8 small records should share one forward"
+    # one forward for all 8, or two: their prefix + states (seen above, so now kept) and then the rest
+    assert timings.forwards <= 2, "8 small records should share their forwards"
     worst = max(compare(batched, single)[0] for batched, single in zip(batch_logits, alone))
     print(f"\n{name}: batch of 8 vs alone, worst relative logit difference {worst:.2e}")
     assert worst <= 1e-5
