@@ -12,17 +12,8 @@ import torch
 import clef_flash
 from clef_flash import machine
 from clef_flash.checkpoint.outliers import calibrate, default_calibration_requests, find_outliers, outlier_ratios
-from clef_flash.checkpoint.quant import (
-    INT_MM,
-    ONEDNN,
-    Int8Linear,
-    QuantizingSource,
-    int_mm_linear,
-    onednn_available,
-    onednn_linear,
-    onednn_pack,
-    quantize_per_channel,
-)
+from clef_flash.checkpoint.quant import Int8Linear, QuantizingSource, quantize_per_channel
+from clef_flash.checkpoint.w8a8 import INT_MM, W8A8_KERNELS, quantize_per_token
 from clef_flash.checkpoint.random_release import outlier_channels, write_random_release
 from clef_flash.cli import main
 from clef_flash.conversion import convert
@@ -44,7 +35,8 @@ class FakeRates:
     fp32: float
     bf16: float
     int8: float
-    int8_kernel: str = INT_MM
+    int8_kernel: str | None = INT_MM
+    excluded: dict = None
 
 
 # -- the choice ---------------------------------------------------------------------------------------
@@ -92,7 +84,7 @@ def test_probe_is_measured_once_and_cached(tmp_path, monkeypatch):
     try:
         first = machine.rates(here)
         assert machine.probe_path(here).is_file() and first.fp32 > 0 and first.bf16 > 0
-        assert first.int8_kernel in (ONEDNN, INT_MM) and first.int8 > 0
+        assert first.int8_kernel in W8A8_KERNELS and first.int8 > 0 and first.int8_kernel in first.kernels
         machine.rates.cache_clear()
         assert machine.rates(here) == first  # read back, not measured again
     finally:
@@ -102,7 +94,8 @@ def test_probe_is_measured_once_and_cached(tmp_path, monkeypatch):
 def test_info_command(capsys):
     assert main(["info", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["machine"]["threads"] >= 1 and report["probe"]["int8_kernel"] in (ONEDNN, INT_MM)
+    assert report["machine"]["threads"] >= 1 and report["probe"]["int8_kernel"] in W8A8_KERNELS
+    assert set(report["probe"]["int8_kernels_gops"]) | set(report["probe"]["int8_excluded"]) == set(W8A8_KERNELS)
     assert set(report["default_precision"]) == {"release", "calibrated bundle", "uncalibrated bundle"}
     assert main(["info"]) == 0
     assert "default      release:" in capsys.readouterr().out
@@ -111,19 +104,69 @@ def test_info_command(capsys):
 # -- kernels ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not onednn_available(), reason="no oneDNN in this torch build")
-@pytest.mark.parametrize("rows", [1, 7, 64])
-def test_onednn_w8a8_equals_int_mm(rows):
-    generator = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 96, generator=generator)
-    q, scale = quantize_per_channel(torch.randn(40, 96, generator=generator))
-    channels = torch.tensor([3, 50])
-    for outliers in (None, channels):
-        expected = int_mm_linear(x, q, scale, outliers)
-        got = onednn_linear(x, onednn_pack(q), scale, outliers)
-        error = ((got - expected).abs().max() / expected.abs().max()).item()
-        print(f"rows {rows}, outliers {outliers is not None}: onednn vs _int_mm max rel {error:.1e}")
-        assert error < 1e-6  # the same int32 sums, scaled in another order
+def _at_the_limits(levels: int, inner: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations (fp32 integers, every row reaching `levels`) and int8 weights at +-127: the pairs of
+    equal-signed products that saturate int16 pair sums, alternating signs, and random integers."""
+    generator = torch.Generator().manual_seed(seed)
+    pattern = torch.ones(6, inner)
+    pattern[1] = -1
+    pattern[2, ::2] = -1
+    pattern[3, (torch.arange(inner) // 2) % 2 == 0] = -1
+    pattern[4, : inner // 2] = -1
+    pattern[5, inner // 3 :] = -1
+    x = torch.cat([pattern * levels, torch.randint(-levels, levels + 1, (5, inner), generator=generator).float()])
+    x[6:, 1] = -levels
+    q = torch.cat([pattern.flip(0) * 127, torch.randint(-127, 128, (7, inner), generator=generator).float()]).to(torch.int8)
+    return x, q
+
+
+def _kernel_error(kernel, x, q, scale, outliers=None) -> float:
+    """Max |kernel - exact integer products| / max |exact|, through the kernel's own per-token rounding."""
+    xq, x_scale = quantize_per_token(x, outliers, kernel.levels)
+    exact = (xq.double() @ q.double().t()) * x_scale.double() * scale.double()[None, :]
+    got = kernel.linear(x, kernel.pack(q, scale), scale, outliers)
+    return ((got.double() - exact).abs().max() / exact.abs().max()).item()
+
+
+@pytest.mark.parametrize("name", list(W8A8_KERNELS))
+def test_a_w8a8_kernel_runs_only_where_it_is_exact(name):
+    """On every CPU kind: the probe accepts a kernel iff it equals exact integer products at the limits
+    (an excluded kernel is shown to be excluded, with the reason, not skipped); an accepted one also
+    equals them on random products of 1, 7 and 64 rows, with and without outlier channels."""
+    kernel, measured = W8A8_KERNELS[name], machine.rates()
+    accepted = name in measured.kernels
+    assert accepted != (name in measured.excluded)
+    if not kernel.available():
+        assert not accepted and "torch build" in measured.excluded[name]
+        return
+    x, q = _at_the_limits(kernel.levels, 1024, seed=7)
+    error = _kernel_error(kernel, x, q, torch.ones(q.shape[0]))
+    print(f"{name} on {torch.backends.cpu.get_cpu_capability()}: max rel error at the limits {error:.1e}; "
+          f"probe: {'accepted' if accepted else measured.excluded[name]}")
+    assert accepted == (error == 0)
+    if not accepted:
+        assert "not exact" in measured.excluded[name]
+        return
+    for rows in (1, 7, 64):
+        generator = torch.Generator().manual_seed(rows)
+        x = torch.randn(rows, 96, generator=generator)
+        q, scale = quantize_per_channel(torch.randn(40, 96, generator=generator))
+        for outliers in (None, torch.tensor([3, 50])):
+            error = _kernel_error(kernel, x, q, scale, outliers)
+            assert error < 1e-6, (rows, outliers, error)  # the same int32 sums, scaled in another order
+
+
+def test_forced_w8a8_runs_the_exact_kernel_or_is_refused(tiny_dir, monkeypatch):
+    """Forcing int8-w8a8 never runs an excluded kernel: the probe's fastest exact one, or a one-line refusal."""
+    fake = FakeRates(fp32=60, bf16=12, int8=0.0, int8_kernel=None, excluded={"onednn": "not exact here", "int_mm": "not exact here"})
+    monkeypatch.setattr(clef_flash.engine, "machine_rates", lambda: fake)
+    with pytest.raises(clef_flash.errors.ClefError, match="no W8A8 kernel is exact here.*onednn: not exact"):
+        clef_flash.load(tiny_dir, device="cpu", precision="int8-w8a8")
+    assert choose_precision(CPU, stored_int8=True, calibrated=True, rates=lambda: fake).name == "int8-weight-only"
+    monkeypatch.undo()
+    model = clef_flash.load(tiny_dir, device="cpu", precision="int8-w8a8")
+    kernels = {module.kernel for module in model.parts.decoder.modules() if isinstance(module, Int8Linear) and module.mode == "w8a8"}
+    assert kernels == {machine.rates().int8_kernel}
 
 
 @pytest.mark.parametrize("precision", [name for name in PRECISION_CHOICES if name.startswith("int8")])
@@ -147,7 +190,7 @@ def test_outlier_channels_are_exact_and_spare_the_int8_rounding():
     assert torch.equal(source.get("mlp.up_proj.outlier_weight"), weight[:, channels])
     assert not source.get("mlp.up_proj.weight")[:, channels].any()
     errors = {}
-    for kernel in [INT_MM] + ([ONEDNN] if onednn_available() else []):
+    for kernel in machine.rates().kernels:
         for outliers in (0, 2):
             linear = Int8Linear(128, 64, "w8a8", outliers=outliers, kernel=kernel)
             plain = QuantizingSource(_Tensors({"mlp.up_proj.weight": weight}))

@@ -6,20 +6,18 @@ import pytest
 import torch
 from torch import nn
 
-
+from clef_flash import machine
 from clef_flash.checkpoint import quant
-from clef_flash.model.precision import is_quantized
 from clef_flash.checkpoint.quant import (
     Int8Linear,
     QuantizingSource,
     dequantize,
-
     quantize_per_channel,
-    quantize_per_token,
     replace_linears,
-    w8a8_linear,
     weight_only_linear,
 )
+from clef_flash.checkpoint.w8a8 import W8A8_KERNELS, quantize_per_token
+from clef_flash.model.precision import is_quantized
 
 
 def test_round_trip_error_is_at_most_half_a_step_per_channel():
@@ -59,20 +57,25 @@ def test_w8a8_equals_its_float_simulation(rows):
     torch.manual_seed(2)
     q, scale = quantize_per_channel(torch.randn(48, 80))
     x = torch.randn(rows, 80) * 3
-    xq, x_scale = quantize_per_token(x)
-    assert x_scale.shape == (rows, 1) and int(xq.abs().max()) == 127
+    kernel = W8A8_KERNELS[machine.rates().int8_kernel]  # the exact one this CPU runs
+    xq, x_scale = quantize_per_token(x, levels=kernel.levels)
+    assert x_scale.shape == (rows, 1) and int(xq.abs().max()) == kernel.levels
     expected = (xq.double() @ q.double().t()) * x_scale.double() * scale.double()[None, :]  # exact integer products
-    got = w8a8_linear(x, q, scale)
-    print(f"\nw8a8 rows={rows}: max rel |d| {((got - expected).abs().max() / expected.abs().max()):.2e}")
+    linear = Int8Linear(80, 48, "w8a8", kernel=kernel.name)
+    linear.load_state_dict({"weight": q, "weight_scale": scale})
+    got = linear(x)
+    print(f"\nw8a8 ({kernel.name}) rows={rows}: max rel |d| {((got - expected).abs().max() / expected.abs().max()):.2e}")
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
     # and it approximates the float product
     relative = (got - x @ dequantize(q, scale).t()).norm() / (x @ dequantize(q, scale).t()).norm()
-    assert relative < 0.02
+    assert relative < 0.03  # 7-bit activations (fbgemm) included
 
 
 def test_w8a8_keeps_the_activation_dtype():
     q, scale = quantize_per_channel(torch.randn(8, 16))
-    assert w8a8_linear(torch.randn(2, 16).bfloat16(), q, scale).dtype == torch.bfloat16
+    linear = Int8Linear(16, 8, "w8a8", kernel=machine.rates().int8_kernel)
+    linear.load_state_dict({"weight": q, "weight_scale": scale})
+    assert linear(torch.randn(2, 16).bfloat16()).dtype == torch.bfloat16
     assert weight_only_linear(torch.randn(2, 16).bfloat16(), q, scale).dtype == torch.bfloat16
 
 

@@ -498,6 +498,10 @@ def command_info(args: argparse.Namespace) -> int:
         f"int8 {probe['int8_gops']:.0f} GOP/s ({probe['int8_kernel']}); {machine.PROBE_SHAPE[0]} tokens x "
         f"{machine.PROBE_SHAPE[1]} -> {machine.PROBE_SHAPE[2]}"
     )
+    for name, gops in probe["int8_kernels_gops"].items():
+        print(f"W8A8 kernel  {name}: exact here, {gops:.0f} GOP/s")
+    for name, why in probe["int8_excluded"].items():
+        print(f"W8A8 kernel  {name}: excluded, {why}")
     for kind, value in defaults.items():
         print(f"default      {kind}: {value.name} ({value.reason})")
     return 0

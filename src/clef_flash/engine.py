@@ -26,9 +26,9 @@ from .model.qwen3_5 import DecoderState
 from .prefill import DEFAULT_SEGMENT_TOKENS, run_segments
 from .state_cache import MEBIBYTE, CachedState, StateCache, default_state_cache_mb
 from .machine import rates as machine_rates
-from .checkpoint.quant import INT_MM
+from .checkpoint.w8a8 import INT_MM
 from .coreml.layout import is_export
-from .model.precision import W8A8, Precision, dense_dtype_for, resolve_precision
+from .model.precision import W8A8, Precision, dense_dtype_for, resolve_precision, w8a8_kernel
 from .request.answers import shape_response
 from .request.protocol import DEFAULT_MODEL_NAME, SystemOneRequest, parse_request
 from .request.records import DEFAULT_MAX_LENGTH, EncodedRecord, encode_record
@@ -474,7 +474,11 @@ def load(
     kernel, dense_dtype = INT_MM, None
     if policy.int8_mode == W8A8 and resolved_device.type == "cpu":
         measured = machine_rates()
-        kernel, dense_dtype = measured.int8_kernel, dense_dtype_for(measured)
+        try:
+            kernel = w8a8_kernel(measured)  # exact kernels only: forced or not
+        except ValueError as exc:
+            raise ClefError(str(exc)) from None
+        dense_dtype = dense_dtype_for(measured)
     parts = build_model(
         checkpoint, policy, resolved_device, resident_layers=resident_layers, int8_kernel=kernel, dense_dtype=dense_dtype
     )

@@ -1,10 +1,12 @@
 """What this machine runs fast: CPU features, the torch build, and a short speed probe, cached.
 
 `precision=None` (model/precision.py `choose_precision`) picks the fastest *qualified* path from
-these rates. The probe times one decoder-sized product (256 tokens x 4096 -> 4096) in fp32, in bf16 and
-through the W8A8 kernel (per-token quantization included), a few repetitions each, alternating, and
-keeps the best of each. It takes about a second and is cached per machine (CPU model and flags), torch
-build and thread count under `$CLEF_FLASH_CACHE` (default ~/.cache/clef-flash), so the choice is the
+these rates. The probe first qualifies each W8A8 kernel (checkpoint/w8a8.py) on *exactness*: a kernel
+that differs from exact integer products on the adversarial trial is excluded, whatever its speed, and
+never runs (by default or forced). Then it times one decoder-sized product (256 tokens x 4096 -> 4096)
+in fp32, in bf16 and through each exact W8A8 kernel (per-token quantization included), a few repetitions
+each, and keeps the best of each. It takes about a second and is cached per machine (CPU model and flags), torch
+build, thread count and ISA limits (`$ONEDNN_MAX_CPU_ISA`, `$FBGEMM_ENABLE_INSTRUCTIONS`) under `$CLEF_FLASH_CACHE` (default ~/.cache/clef-flash), so the choice is the
 same on every load of the same machine.
 """
 
@@ -16,17 +18,19 @@ import os
 import platform
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
-from .checkpoint.quant import INT_MM, ONEDNN, int_mm_linear, onednn_available, onednn_linear, onednn_pack, quantize_per_channel
+from .checkpoint.quant import quantize_per_channel
+from .checkpoint.w8a8 import W8A8_KERNELS, exactness_error
 from .checkpoint.vocab import cache_dir
 from .model.precision import BF16
 
-PROBE_VERSION = 1
+PROBE_VERSION = 2  # 2: kernels qualified on exactness first; the rates of every kernel, the excluded ones
+ISA_LIMITS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "FBGEMM_ENABLE_INSTRUCTIONS")  # env caps on kernels
 PROBE_SHAPE = (256, 4096, 4096)  # tokens, in features, out features
 FEATURE_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
 
@@ -37,8 +41,10 @@ class Rates:
 
     fp32: float
     bf16: float
-    int8: float  # the faster W8A8 kernel, its activation quantization included
-    int8_kernel: str  # which one: "onednn" or "int_mm" (checkpoint/quant.py)
+    int8: float  # the fastest exact W8A8 kernel, its activation quantization included (0.0: none is exact)
+    int8_kernel: str | None  # which one (checkpoint/w8a8.py); None: no kernel is exact on this machine
+    kernels: dict[str, float] = field(default_factory=dict)  # every exact kernel's G(OP)/s
+    excluded: dict[str, str] = field(default_factory=dict)  # kernel -> why it never runs here
 
 
 @dataclass(frozen=True)
@@ -49,6 +55,7 @@ class Machine:
     cpu_capability: str  # what ATen's CPU kernels were dispatched for (AVX2, AVX512, ...)
     onednn: bool
     threads: int
+    isa_limits: tuple[str, ...] = ()  # ISA_LIMITS set in the environment, as NAME=value
 
     @property
     def key(self) -> str:
@@ -78,8 +85,9 @@ def this_machine() -> Machine:
         features=tuple(flag for flag in FEATURE_FLAGS if flag in flags),
         torch=torch.__version__,
         cpu_capability=torch.backends.cpu.get_cpu_capability(),
-        onednn=onednn_available(),
+        onednn=W8A8_KERNELS["onednn"].available(),
         threads=torch.get_num_threads(),
+        isa_limits=tuple(f"{name}={os.environ[name]}" for name in ISA_LIMITS if os.environ.get(name)),
     )
 
 
@@ -93,19 +101,12 @@ def _best_seconds(run, repeats: int) -> float:
     return best
 
 
-def _int8_runs(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:
-    runs = {INT_MM: lambda: int_mm_linear(x, q, scale, None)}
-    if onednn_available():
-        packed = onednn_pack(q)
-        runs[ONEDNN] = lambda: onednn_linear(x, packed, scale, None)
-    return runs
-
-
 def measure(repeats: int = 3, shape: tuple[int, int, int] = PROBE_SHAPE) -> Rates:
-    """Time the probe's product in fp32, bf16 and through each W8A8 kernel on this CPU (best of `repeats`).
+    """Qualify the W8A8 kernels on exactness, then time the probe's product in fp32, bf16 and through each
+    exact kernel on this CPU (best of `repeats`).
 
-    A kernel is first tried on a product 64 times smaller: one far slower than fp32 there (a reference
-    fallback, seen at 0.1 GOP/s) is left out instead of timed at full size.
+    A kernel is first timed on a product 64 times smaller: one far slower than fp32 there (a reference
+    fallback, seen at 0.1 GOP/s) keeps that small rate instead of being timed at full size.
     """
     tokens, inputs, outputs = shape
     generator = torch.Generator().manual_seed(0)
@@ -114,17 +115,34 @@ def measure(repeats: int = 3, shape: tuple[int, int, int] = PROBE_SHAPE) -> Rate
     q, scale = quantize_per_channel(weight)
     x16, weight16 = x.to(BF16), weight.to(BF16)
     ops = 2 * tokens * inputs * outputs
-    rate = lambda run: ops / _best_seconds(run, repeats) / 1e9  # noqa: E731
+    rate = lambda run, ops=ops: ops / _best_seconds(run, repeats) / 1e9  # noqa: E731
     fp32 = rate(lambda: x @ weight.t())
-    small_x, small_q, small_scale = x[: tokens // 4, : inputs // 4], q[: outputs // 4, : inputs // 4], scale[: outputs // 4]
-    small_ops = ops / 64
-    full_size = _int8_runs(x, q, scale)
-    int8 = {}
-    for kernel, run in _int8_runs(small_x.contiguous(), small_q.contiguous(), small_scale).items():
-        if small_ops / _best_seconds(run, 1) / 1e9 >= fp32 / 10:
-            int8[kernel] = rate(full_size[kernel])
-    kernel = max(int8, key=int8.get) if int8 else INT_MM
-    return Rates(fp32=fp32, bf16=rate(lambda: x16 @ weight16.t()), int8=int8.get(kernel, 0.0), int8_kernel=kernel)
+    small_x, small_q, small_scale = x[: tokens // 4, : inputs // 4].contiguous(), q[: outputs // 4, : inputs // 4].contiguous(), scale[: outputs // 4]
+    kernels, excluded = {}, {}
+    for kernel in W8A8_KERNELS.values():
+        if not kernel.available():
+            excluded[kernel.name] = "not in this torch build"
+            continue
+        error = exactness_error(kernel)
+        if error != 0:
+            excluded[kernel.name] = f"not exact here: off by up to {error:.0f} from exact integer products on the adversarial trial"
+            continue
+        packed = kernel.pack(small_q, small_scale)
+        small = rate(lambda: kernel.linear(small_x, packed, small_scale), ops / 64)
+        if small >= fp32 / 10:
+            packed = kernel.pack(q, scale)
+            kernels[kernel.name] = rate(lambda: kernel.linear(x, packed, scale))
+        else:
+            kernels[kernel.name] = small  # a reference loop: exact, usable when forced, never the default
+    best = max(kernels, key=kernels.get) if kernels else None
+    return Rates(
+        fp32=fp32,
+        bf16=rate(lambda: x16 @ weight16.t()),
+        int8=kernels.get(best, 0.0),
+        int8_kernel=best,
+        kernels=kernels,
+        excluded=excluded,
+    )
 
 
 def probe_path(machine: Machine) -> Path:
@@ -167,6 +185,8 @@ def describe(machine: Machine, measured: Rates) -> dict:
             "bf16_gflops": round(measured.bf16, 1),
             "int8_gops": round(measured.int8, 1),
             "int8_kernel": measured.int8_kernel,
+            "int8_kernels_gops": {name: round(value, 1) for name, value in measured.kernels.items()},
+            "int8_excluded": measured.excluded,
         },
     }
 

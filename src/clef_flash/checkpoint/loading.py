@@ -21,7 +21,8 @@ from torch.overrides import TorchFunctionMode
 from ..errors import ModelSourceError
 from ..errors import WeightsError
 from ..model.precision import OUTLIER_CHANNELS, Precision
-from .quant import INT_MM, QuantizingSource, replace_linears
+from .quant import QuantizingSource, replace_linears
+from .w8a8 import INT_MM
 from .safetensors_io import TensorSource
 
 if TYPE_CHECKING:

@@ -9,8 +9,9 @@ the output-embedding rows it reads are never quantized.
 Compute modes (`Int8Linear.mode`):
 - `weight-only`: the int8 weight is dequantized tile by tile (a block of output rows at a time) to the
   activations' dtype and multiplied there; only the weight's rounding is added.
-- `w8a8`: activations are quantized per token (one scale per row, absmax / 127) and multiplied in int8
-  with int32 accumulation: oneDNN's int8 linear on x86 CPUs (AMX or VNNI), `torch._int_mm` elsewhere.
+- `w8a8`: activations are quantized per token (one scale per row) and multiplied in int8 with int32
+  accumulation by one of the kernels of checkpoint/w8a8.py (oneDNN, FBGEMM, `torch._int_mm`): the one the
+  machine's probe found exact and fastest.
 - Outlier channels (LLM.int8()'s decomposition): a linear may carry a few input channels, found by
   calibration (checkpoint/outliers.py), that are multiplied densely in fp32 and left out of the int8 parts.
 
@@ -20,13 +21,13 @@ names, so loading a release as int8 and converting it to a bundle are the same c
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .safetensors_io import release_pages
+from .w8a8 import INT_MM, W8A8_KERNELS
 
 from ..model.precision import (
     FP32,
@@ -65,54 +66,6 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = FP32) 
     return (q.float() * scale.float()[:, None]).to(dtype)
 
 
-def quantize_per_token(x2d: torch.Tensor, outliers: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, I] -> (int8 [M, I], fp32 scale [M, 1]): absmax per row / 127; the `outliers` columns read as 0."""
-    x32 = x2d.float()
-    if outliers is not None:
-        x32 = x32.index_fill(1, outliers, 0.0)  # those channels go through the dense side product
-    scale = x32.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(FP32).tiny) / 127.0  # [M, 1]
-    return torch.round(x32 / scale).clamp_(-127, 127).to(INT8), scale  # not in place: x32 may be x itself
-
-
-def int_mm_linear(x2d: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, outliers: torch.Tensor | None = None) -> torch.Tensor:
-    """W8A8 through `torch._int_mm` (cuBLAS on CUDA, oneDNN's reference on CPU): x [M, I] -> fp32 [M, O]."""
-    rows = x2d.shape[0]
-    xq, x_scale = quantize_per_token(x2d, outliers)
-    if x2d.device.type == "cuda":  # cuBLAS int8 wants M > 16 and a multiple of 8
-        padded = max(32, -(-rows // 8) * 8)
-        xq = F.pad(xq, (0, 0, 0, padded - rows))
-    accumulated = torch._int_mm(xq, q.t())[:rows]  # [M, O] int32
-    return accumulated.float().mul_(x_scale).mul_(scale[None, :])
-
-
-def onednn_available() -> bool:
-    """oneDNN's int8 linear (x86 CPUs: AMX, AVX-512 VNNI, AVX2), the kernel PyTorch's inductor uses on CPU."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
-
-
-def onednn_pack(q: torch.Tensor) -> torch.Tensor:
-    """int8 [O, I] -> oneDNN's blocked layout for this CPU (an opaque tensor); done once per weight."""
-    return torch.ops.onednn.qlinear_prepack(q, None)
-
-
-def onednn_linear(x2d: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, outliers: torch.Tensor | None = None) -> torch.Tensor:
-    """W8A8 through oneDNN: x [M, I] -> fp32 [M, O], per-token activations, per-channel weight scales.
-
-    The kernel takes one activation scale; per-token scales factor out of the int32 sums, so it runs
-    with scale 1 and the rows are scaled after: out[m, o] = x_scale[m] * scale[o] * sum_i xq[m, i] q[o, i].
-    """
-    xq, x_scale = quantize_per_token(x2d, outliers)
-    zero_points = torch.zeros(scale.shape[0], dtype=torch.int32)
-    out = torch.ops.onednn.qlinear_pointwise(xq, 1.0, 0, packed, scale, zero_points, None, 1.0, 0, FP32, "none", [], "")
-    return out.mul_(x_scale)
-
-
-def w8a8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Per-token int8 activations times per-channel int8 weights, int32 accumulation -> [..., O] in x.dtype."""
-    out = int_mm_linear(x.reshape(-1, x.shape[-1]), q, scale)
-    return out.to(x.dtype).view(*x.shape[:-1], q.shape[0])
-
-
 def weight_only_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [..., I] @ dequantize(q, scale).T -> [..., O] in x.dtype, dequantizing a tile of output rows at a time."""
     x2d = x.reshape(-1, x.shape[-1])  # [M, I]
@@ -124,10 +77,6 @@ def weight_only_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) ->
     return out.view(*x.shape[:-1], q.shape[0])
 
 
-ONEDNN, INT_MM = "onednn", "int_mm"
-W8A8_KERNELS = (ONEDNN, INT_MM)  # which library runs W8A8 on a CPU: chosen per machine by its probe (machine.py)
-
-
 class Int8Linear(nn.Module):
     """A bias-free linear with int8 weights [O, I] and fp32 scales [O]: a drop-in for `nn.Linear`.
 
@@ -135,7 +84,7 @@ class Int8Linear(nn.Module):
     multiplied densely in high precision (`outlier_weight` [O, n] at `outlier_channels` [n]); the int8
     weight holds zeros there and W8A8 quantizes the activations without them, so a few channels tens of
     times larger than the rest do not coarsen every other channel's rounding. In W8A8 on a CPU with
-    oneDNN, the weight is packed into oneDNN's layout on the first forward (again if it is refilled).
+    W8A8, the weight is packed for its kernel on the first forward (again if it is refilled).
     """
 
     def __init__(
@@ -157,7 +106,7 @@ class Int8Linear(nn.Module):
         # dequantized once into that dtype and kept (dequantizing per forward cost more than the product);
         # None: dequantized tile by tile on every forward, in x's dtype (int8-weight-only: memory stays 1 byte/weight).
         self.dense_dtype = dense_dtype
-        self._prepared: torch.Tensor | None = None  # the weight packed for oneDNN, or dequantized to dense_dtype
+        self._prepared: Any = None  # the weight packed for the W8A8 kernel, or dequantized to dense_dtype
         self._prepared_from: torch.Tensor | None = None  # the weight it was made from
         self.register_buffer("weight", torch.empty(out_features, in_features, dtype=INT8))
         self.register_buffer("weight" + SCALE_SUFFIX, torch.empty(out_features, dtype=SCALE_DTYPE))
@@ -173,10 +122,10 @@ class Int8Linear(nn.Module):
             else:
                 dense = self._prepare(lambda weight: dequantize(weight, self.weight_scale, self.dense_dtype))  # [O, I]
                 out = (x2d.to(self.dense_dtype) @ dense.t()).float()
-        elif self.kernel == ONEDNN and x.device.type == "cpu":
-            out = onednn_linear(x2d, self._prepare(onednn_pack), self.weight_scale, self.outlier_channels)
         else:
-            out = int_mm_linear(x2d, self.weight, self.weight_scale, self.outlier_channels)
+            kernel = W8A8_KERNELS[self.kernel if x.device.type == "cpu" else INT_MM]  # cuBLAS on CUDA
+            packed = self._prepare(lambda weight: kernel.pack(weight, self.weight_scale))
+            out = kernel.linear(x2d, packed, self.weight_scale, self.outlier_channels)
         if self.outlier_channels is not None:
             out.addmm_(x2d.index_select(1, self.outlier_channels).to(out.dtype), self.outlier_weight.t().to(out.dtype))
         return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
@@ -186,7 +135,8 @@ class Int8Linear(nn.Module):
         weight is refilled (the low-memory window); a bundle's mapped int8 pages are given back after."""
         if self._prepared_from is not self.weight:
             self._prepared, self._prepared_from = make(self.weight), self.weight
-            release_pages(self.weight)
+            if self._prepared is not self.weight:  # (torch._int_mm reads the int8 weight as it is)
+                release_pages(self.weight)
         return self._prepared
 
     def extra_repr(self) -> str:

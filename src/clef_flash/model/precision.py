@@ -190,12 +190,29 @@ class Rates(Protocol):
     fp32: float
     bf16: float
     int8: float
-    int8_kernel: str
+    int8_kernel: str | None  # the fastest exact W8A8 kernel; None: none is exact on this machine
+    excluded: dict[str, str]
 
 
 def dense_dtype_for(rates: Rates) -> torch.dtype:
     """W8A8's weight-only projections run in bf16 where the CPU multiplies bf16 fast (AMX, AVX-512 BF16)."""
     return BF16 if rates.bf16 > 2 * rates.fp32 else FP32
+
+
+def w8a8_rate(measured: Rates) -> float:
+    """W8A8's rate: the int8 kernel for the int8 share of the FLOPs, the dense product (bf16 or fp32) for
+    W8A8_WEIGHT_ONLY; 0 where no kernel is exact."""
+    if measured.int8_kernel is None or measured.int8 <= 0:
+        return 0.0
+    return 1 / (W8A8_INT8_SHARE / measured.int8 + (1 - W8A8_INT8_SHARE) / max(measured.fp32, measured.bf16))
+
+
+def w8a8_kernel(measured: Rates) -> str:
+    """The kernel a CPU runs W8A8 on: the probe's fastest exact one, or a one-line refusal that says why."""
+    if measured.int8_kernel is None:
+        reasons = "; ".join(f"{name}: {why}" for name, why in measured.excluded.items())
+        raise ValueError(f"int8-w8a8 cannot run on this CPU: no W8A8 kernel is exact here ({reasons}); use int8-weight-only")
+    return measured.int8_kernel
 
 
 def qualified(*, stored_int8: bool, calibrated: bool) -> tuple[str, ...]:
@@ -215,7 +232,7 @@ def choose_precision(device: torch.device, *, stored_int8: bool, calibrated: boo
         "fp32": measured.fp32,
         "bf16": measured.bf16,
         # int8 for the int8 share of the FLOPs, the dense product (bf16 or fp32) for W8A8_WEIGHT_ONLY
-        "int8-w8a8": 1 / (W8A8_INT8_SHARE / measured.int8 + (1 - W8A8_INT8_SHARE) / max(measured.fp32, measured.bf16)),
+        "int8-w8a8": w8a8_rate(measured),
         "int8-weight-only": measured.fp32 / WEIGHT_ONLY_OVERHEAD,
     }
     best = max(candidates, key=lambda name: (rate[name], -candidates.index(name)))

@@ -1,0 +1,155 @@
+"""The W8A8 kernels: per-token int8 activations times per-channel int8 weights, with int32 sums.
+
+Every kernel here computes the same thing, `out[m, o] = x_scale[m] * scale[o] * sum_i xq[m, i] q[o, i]`,
+with `xq` the activations rounded per token to integers in [-levels, levels]; they differ in the library
+that multiplies and in `levels`:
+
+    kernel   library                                        levels  where it is exact
+    onednn   oneDNN's int8 linear (AMX, AVX-512 VNNI, AVX2)  127     with VNNI / AMX; not on AVX2 alone
+    int_mm   torch._int_mm (oneDNN or a reference loop)      127     where it avoids AVX2's int16 pair sums
+    fbgemm   FBGEMM's dynamic linear (vpmaddubsw kernels)    63      everywhere (7-bit activations)
+
+Without VNNI, x86 int8 products multiply u8 by s8 and add adjacent pairs in int16 (`vpmaddubsw`), which
+saturates when both factors are near their limits (255 * 127 * 2 > 32767): a kernel that feeds it 8-bit
+activations returns wrong sums on such CPUs. So a kernel is never trusted by name: `exactness_error`
+runs it on an adversarial trial (activations and weights at their limits, and random ones) against exact
+integer products, and the machine's probe (machine.py) accepts only kernels whose error there is 0.
+
+FBGEMM quantizes activations itself, per tensor, as u8 with a zero point (`reduce_range`: 0..127). Its
+rounding is made to be ours exactly: each row is scaled to integers in [-63, 63] first, and two extra
+columns (-64 and 63, against zero weight columns) pin the tensor's range, so FBGEMM's scale is 1 and its
+zero point 64; the per-token scales are applied to the output rows after (a linear map lets them factor out).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..model.precision import FP32, INT8
+
+ONEDNN, INT_MM, FBGEMM = "onednn", "int_mm", "fbgemm"
+
+
+def quantize_per_token(
+    x2d: torch.Tensor, outliers: torch.Tensor | None = None, levels: int = 127, dtype: torch.dtype = INT8
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, I] -> (integers in [-levels, levels] as `dtype` [M, I], fp32 scale [M, 1]): absmax per row / levels;
+    the `outliers` columns read as 0 (they go through the dense side product)."""
+    x32 = x2d.float()
+    if outliers is not None:
+        x32 = x32.index_fill(1, outliers, 0.0)
+    scale = x32.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(FP32).tiny) / levels  # [M, 1]
+    return torch.round(x32 / scale).clamp_(-levels, levels).to(dtype), scale  # not in place: x32 may be x itself
+
+
+# -- the kernels: (xq integers [M, I], packed weight, weight scale [O]) -> fp32 [M, O] ------------------------
+
+
+def _int_mm_pack(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q
+
+
+def _int_mm_multiply(xq: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    rows = xq.shape[0]
+    if xq.device.type == "cuda":  # cuBLAS int8 wants M > 16 and a multiple of 8
+        xq = F.pad(xq, (0, 0, 0, max(32, -(-rows // 8) * 8) - rows))
+    return torch._int_mm(xq, q.t())[:rows].float().mul_(scale[None, :])  # [M, O]
+
+
+def _onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
+
+
+def _onednn_pack(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return torch.ops.onednn.qlinear_prepack(q, None)  # oneDNN's blocked layout for this CPU (opaque)
+
+
+def _onednn_multiply(xq: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    zero_points = torch.zeros(scale.shape[0], dtype=torch.int32)
+    return torch.ops.onednn.qlinear_pointwise(xq, 1.0, 0, packed, scale, zero_points, None, 1.0, 0, FP32, "none", [], "")
+
+
+FBGEMM_PINS = (-64.0, 63.0)  # the extra activation columns that fix FBGEMM's range: scale 1, zero point 64
+
+
+def _fbgemm_available() -> bool:
+    return "fbgemm" in torch.backends.quantized.supported_engines and hasattr(torch.ops.quantized, "linear_dynamic")
+
+
+def _fbgemm_pack(q: torch.Tensor, scale: torch.Tensor) -> Any:
+    """The bundle's own int8 values and scales (no requantization), two zero columns appended, packed once."""
+    out_features = q.shape[0]
+    padded = torch.cat([q, q.new_zeros(out_features, len(FBGEMM_PINS))], dim=1)  # [O, I + 2]
+    with warnings.catch_warnings():  # quantized tensors are deprecated as a user API; the op still takes them
+        warnings.simplefilter("ignore", UserWarning)
+        weight = torch._make_per_channel_quantized_tensor(
+            padded, scale.double(), torch.zeros(out_features, dtype=torch.long), 0
+        )
+    return torch.ops.quantized.linear_prepack(weight, None)
+
+
+def _fbgemm_multiply(xq: torch.Tensor, packed: Any, scale: torch.Tensor) -> torch.Tensor:
+    pins = xq.new_tensor(FBGEMM_PINS).expand(xq.shape[0], len(FBGEMM_PINS))  # [M, 2]
+    return torch.ops.quantized.linear_dynamic(torch.cat([xq, pins], dim=1), packed, True)  # [M, O] fp32
+
+
+@dataclass(frozen=True)
+class W8A8Kernel:
+    name: str
+    levels: int  # activations are rounded per token to [-levels, levels]
+    activation_dtype: torch.dtype  # what the integers are handed over as
+    available: Callable[[], bool]
+    pack: Callable[[torch.Tensor, torch.Tensor], Any]  # (q int8 [O, I], scale [O]) -> the weight as it runs; once
+    multiply: Callable[[torch.Tensor, Any, torch.Tensor], torch.Tensor]
+
+    def linear(self, x2d: torch.Tensor, packed: Any, scale: torch.Tensor, outliers: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, I] -> fp32 [M, O] (without the outlier channels' dense product, which the caller adds)."""
+        xq, x_scale = quantize_per_token(x2d, outliers, self.levels, self.activation_dtype)
+        return self.multiply(xq, packed, scale).mul_(x_scale)
+
+
+W8A8_KERNELS: dict[str, W8A8Kernel] = {
+    ONEDNN: W8A8Kernel(ONEDNN, 127, INT8, _onednn_available, _onednn_pack, _onednn_multiply),
+    INT_MM: W8A8Kernel(INT_MM, 127, INT8, lambda: True, _int_mm_pack, _int_mm_multiply),
+    FBGEMM: W8A8Kernel(FBGEMM, 63, FP32, _fbgemm_available, _fbgemm_pack, _fbgemm_multiply),
+}
+
+
+# -- exactness ---------------------------------------------------------------------------------------------
+
+
+def adversarial_trial(levels: int, inner: int = 512, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(activations [12, inner] fp32 integers, weights int8 [12, inner]) at their limits and at random.
+
+    Rows of activations: all +levels, all -levels, alternating signs, pairs of the same sign, then random
+    integers; weights alike at +-127. Every activation row reaches `levels`, so per-token rounding keeps
+    it as it is (scale 1). Sums stay below 2**24 (exact in fp32) for inner <= 1024.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    signs = torch.ones(4, inner)
+    signs[1] = -1
+    signs[2, 1::2] = -1
+    signs[3, (torch.arange(inner) // 2) % 2 == 1] = -1
+    x = torch.cat([signs * levels, torch.randint(-levels, levels + 1, (8, inner), generator=generator).float()])
+    x[4:, 0] = levels  # every row at the limit: scale 1
+    q = torch.cat([signs * 127, torch.randint(-127, 128, (8, inner), generator=generator).float()]).to(INT8)
+    return x, q
+
+
+def exactness_error(kernel: W8A8Kernel) -> float:
+    """The largest |kernel - exact integer product| on the adversarial trial (0.0: exact), through the same
+    `linear` the model runs; an exception from the kernel is an error too (inf)."""
+    x, q = adversarial_trial(kernel.levels)
+    scale = torch.ones(q.shape[0])
+    exact = x.double() @ q.double().t()  # [12, 12]
+    try:
+        got = kernel.linear(x, kernel.pack(q, scale), scale)
+    except (RuntimeError, NotImplementedError):
+        return float("inf")
+    return (got.double() - exact).abs().max().item()
