@@ -30,7 +30,8 @@ from conftest import ReferenceModel, load_reference_module  # noqa: E402
 
 import clef_flash  # noqa: E402
 from clef_flash.checkpoint.random_release import write_random_release  # noqa: E402
-from clef_flash.checkpoint.outliers import calibrate, default_calibration_requests, outlier_ratios  # noqa: E402
+from clef_flash.checkpoint.outliers import outlier_ratios  # noqa: E402
+from clef_flash.conversion import calibrate, default_calibration_requests  # noqa: E402
 from clef_flash.conversion import convert  # noqa: E402
 from clef_flash.request.samples import random_requests  # noqa: E402
 

@@ -24,11 +24,10 @@ from pathlib import Path
 
 
 import clef_flash
-from clef_flash.bench import generated_requests, peak_rss_mb
-from clef_flash.coreml.host import CoreMLHost
-from clef_flash.coreml.layout import function_name, read_export
+from clef_flash.bench import generated_requests
+from clef_flash.machine import peak_rss_mb
+from clef_flash.checkpoint.coreml_layout import function_name, read_export
 from clef_flash.coreml.runners import MLModelRunner, TorchRunner
-from clef_flash.engine import CoreMLClef
 from clef_flash.evaluate import agreement
 from clef_flash.model.precision import COREML_PART_DTYPE, PRECISIONS
 
@@ -67,8 +66,8 @@ def main(argv: list[str] | None = None, runner=None) -> dict:
     args = parser.parse_args(argv)
 
     start = time.perf_counter()
-    host = CoreMLHost(args.export, runner or runner_for(args))
-    model = CoreMLClef(host)
+    model = clef_flash.load(args.export, coreml_runner=runner or runner_for(args))
+    host = model.host
     load_ms = (time.perf_counter() - start) * 1000
     if args.requests_file:
         requests = [json.loads(line) for line in args.requests_file.read_text().splitlines() if line.strip()]

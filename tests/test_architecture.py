@@ -1,7 +1,9 @@
 """The package's shape holds: no import circles, `testing/` used only by tests, one precision policy.
 
-Imports are read from the source (every `import` and `from ... import`, at module level or inside a
-function, except under `if TYPE_CHECKING:`), so a lazy import that closes a circle is caught too.
+Imports are read from the source: every `import` and `from ... import`, at module level, inside a
+function or under `if TYPE_CHECKING:`, so a lazy or type-only import that closes a circle is caught too.
+Importing `a.b.c` runs the packages `a.b` first: an import counts as one of each enclosing package too
+(a package's own `__init__` importing its submodules is how packages work, not a circle).
 """
 
 from __future__ import annotations
@@ -28,24 +30,12 @@ def modules() -> dict[str, Path]:
     return {module_name(path): path for path in sorted(PACKAGE_ROOT.rglob("*.py"))}
 
 
-def _type_checking_lines(tree: ast.AST) -> set[int]:
-    lines: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            for child in node.body:
-                lines.update(range(child.lineno, (child.end_lineno or child.lineno) + 1))
-    return lines
-
-
 def imported_modules(name: str, path: Path, known: set[str]) -> set[str]:
     """The package's modules that `name` imports (a `from package import submodule` counts as both)."""
     tree = ast.parse(path.read_text())
-    skipped = _type_checking_lines(tree)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
     for node in ast.walk(tree):
-        if getattr(node, "lineno", None) in skipped:
-            continue
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -58,7 +48,9 @@ def imported_modules(name: str, path: Path, known: set[str]) -> set[str]:
             targets = [origin] + [f"{origin}.{alias.name}" for alias in node.names]
         else:
             continue
-        found.update(target for target in targets if target in known and target != name)
+        for target in targets:
+            enclosing = [".".join(target.split(".")[:end]) for end in range(2, target.count(".") + 1)]
+            found.update(module for module in [target, *enclosing] if module in known and module != name)
     return found
 
 
@@ -77,8 +69,10 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         state[node] = 1
         path.append(node)
         for neighbour in sorted(graph[node]):
-            # A package's __init__ importing its own submodules is how packages work, not a circle.
-            if node.startswith(neighbour + ".") or neighbour.startswith(node + "."):
+            # A submodule importing its own package (whose __init__ imports it back) is how packages
+            # work, not a circle; a package's __init__ importing its submodules counts, so a circle
+            # that passes through a package's __init__ (a -> pkg -> pkg.b -> a) is found.
+            if node.startswith(neighbour + "."):
                 continue
             if state.get(neighbour) == 1:
                 return path[path.index(neighbour) :] + [neighbour]
@@ -99,7 +93,9 @@ def test_the_walker_finds_a_circle():
     assert find_cycle({"a": {"b"}, "b": set()}) is None
     graph = import_graph()
     assert "clef_flash.checkpoint.loading" in graph["clef_flash.checkpoint.bundle"]  # relative imports resolved
-    assert "clef_flash.request.records" in graph["clef_flash.engine"]
+    assert "clef_flash.request.records" in graph["clef_flash.engine.core"]
+    assert "clef_flash.request" in graph["clef_flash.engine.core"]  # and the package it runs first
+    assert "clef_flash.plan" in graph["clef_flash.engine.coreml_backend"]
 
 
 def test_no_import_circles():

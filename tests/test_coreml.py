@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -20,13 +21,13 @@ ct = pytest.importorskip("coremltools", reason='the Core ML extra is not install
 
 import clef_flash  # noqa: E402
 from clef_flash.checkpoint import build_model, open_checkpoint  # noqa: E402
+from clef_flash.plan import Plan  # noqa: E402
 from clef_flash.checkpoint.quant import quantize_per_channel  # noqa: E402
-from clef_flash.coreml import layout  # noqa: E402
+from clef_flash.checkpoint import coreml_layout as layout  # noqa: E402
 from clef_flash.coreml.export import const_name, export_coreml  # noqa: E402
 from clef_flash.coreml.host import CoreMLHost  # noqa: E402
 from clef_flash.coreml.modules import build_head, build_part, part_layers  # noqa: E402
-from clef_flash.coreml.runners import TorchRunner  # noqa: E402
-from clef_flash.engine import CoreMLClef  # noqa: E402
+from clef_flash.clef import Clef  # noqa: E402
 from clef_flash.errors import ModelSourceError, RequestInvalid  # noqa: E402
 from clef_flash.model.config import TextConfig  # noqa: E402
 from clef_flash.model.export import rotary_tables  # noqa: E402
@@ -70,8 +71,8 @@ def exported(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def model(exported) -> CoreMLClef:
-    return CoreMLClef.open(exported, runner=TorchRunner("tiny", layout.read_export(exported)))
+def model(exported) -> Clef:
+    return clef_flash.load(exported, coreml_runner="torch")
 
 
 # -- the twins ------------------------------------------------------------------------------------------
@@ -101,7 +102,7 @@ def test_block_recursive_inverse():
 
 def test_parts_chained_over_padded_records_equal_the_decoder(tiny):
     checkpoint, config = tiny
-    decoder = build_model(checkpoint, PRECISIONS["fp32"], torch.device("cpu")).decoder
+    decoder = build_model(checkpoint, Plan(PRECISIONS["fp32"], torch.device("cpu"))).decoder
     plan = part_layers(config, LAYERS_PER_PART)
     parts = [build_part(checkpoint, config, layers, final_norm=index == len(plan) - 1) for index, layers in enumerate(plan)]
     gen = torch.Generator().manual_seed(0)
@@ -126,7 +127,7 @@ def test_parts_chained_over_padded_records_equal_the_decoder(tiny):
 
 def test_export_head_with_host_matrices_equals_the_head(tiny, exported):
     checkpoint, config = tiny
-    parts = build_model(checkpoint, PRECISIONS["fp32"], torch.device("cpu"))
+    parts = build_model(checkpoint, Plan(PRECISIONS["fp32"], torch.device("cpu")))
     export_head = build_head(checkpoint)
     host = CoreMLHost(exported, runner=None)  # only its input builders
     encoder = clef_flash.load("tiny", precision="fp32")
@@ -320,3 +321,70 @@ def test_the_mac_benchmark_runs_end_to_end_with_the_stand_in(exported, model, tm
     )
     assert report["quality_vs_fp32"]["answers_differing"] == 0 and report["quality_vs_fp32"]["questions"] == 6
     assert report["speed"]["one_record_ms"] > 0 and json.loads((tmp_path / "r.json").read_text())["parts"] == 2
+
+
+# -- an export through the one engine: served, batched, evaluated like a bundle (issue 24) ------------------
+
+
+def test_an_export_opens_as_a_checkpoint_and_plans_as_exported(exported, model):
+    checkpoint = open_checkpoint(exported)
+    assert checkpoint.kind == "coreml" and checkpoint.tensors is None and checkpoint.is_random
+    described = model.describe()
+    assert described["plan"]["backend"] == "coreml" and "torch twins" in described["plan"]["reason"]
+    assert described["state_reuse"].startswith("unsupported: the Core ML parts run a record whole")
+    with pytest.raises(clef_flash.ClefError, match="runs as exported"):
+        clef_flash.load(exported, coreml_runner="torch", precision="fp32")
+    with pytest.raises(clef_flash.ClefError, match="applies to exports only"):
+        clef_flash.load("tiny", coreml_runner="torch")
+
+
+def test_an_export_answers_as_the_fp32_engine_through_answer_many(model):
+    """Several records in one call (the engine groups them; the backend runs each whole): the same decisions
+    and probabilities as our fp32 torch path, within the fp32 twins' error."""
+    reference = clef_flash.load("tiny", precision="fp32")
+    requests = [short_request(1), short_request(2, 5), short_request(3, 2, state="x " * 60), short_request(2)]
+    ours, theirs = model.answer_many(requests, decimals=None), reference.answer_many(requests, decimals=None)
+    worst = 0.0
+    for mine, truth in zip(ours, theirs):
+        for question, answer in truth["answers"].items():
+            if "choice" in answer:
+                assert mine["answers"][question]["choice"] == answer["choice"]
+            for key, value in answer.items():
+                if isinstance(value, float):
+                    worst = max(worst, abs(mine["answers"][question][key] - value))
+    print(f"export (torch twins) vs fp32 engine over {len(requests)} records: max |dp| {worst:.1e}")
+    assert worst <= 1e-4
+    assert model.last_timings.records == 4 and model.state_cache.stats.hits == 0
+
+
+def test_serve_batch_and_eval_run_over_an_export(exported, model, tmp_path, capsys):
+    from fastapi.testclient import TestClient
+
+    from clef_flash.cli import main
+    from clef_flash.server import create_app
+
+    with TestClient(create_app(model)) as client:
+        deadline = time.monotonic() + 60
+        while client.get("/health").status_code != 200:
+            assert time.monotonic() < deadline, client.get("/health").json()
+            time.sleep(0.05)
+        health = client.get("/health").json()
+        assert health["plan"]["backend"] == "coreml" and health["precision"] == "coreml-int8-fp16"
+        assert health["state_reuse"].startswith("unsupported") and health["buckets"] == list(BUCKETS)
+        response = client.post("/v1/systemone", json=short_request(2))
+        assert response.status_code == 200, response.text
+        assert response.json()["answers"] == model.answer(short_request(2))["answers"]
+
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text("\n".join(json.dumps(short_request(questions)) for questions in (1, 2, 3)) + "\n")
+    output = tmp_path / "out.jsonl"
+    assert main(["batch", str(requests), str(output), "--model", str(exported), "--coreml-runner", "torch"]) == 0
+    lines = [json.loads(line) for line in output.read_text().splitlines()]
+    assert len(lines) == 3 and all("answers" in line for line in lines)
+    assert json.loads(output.with_name("out.jsonl.progress.json").read_text())["model"]["precision"] == "coreml-int8-fp16"
+    out = tmp_path / "agreement"
+    code = main(["eval", "agreement", str(requests), "--model", str(exported), "--coreml-runner", "torch",
+                 "--against-model", "tiny", "--against-precision", "fp32", "--out", str(out)])  # fmt: skip
+    assert code == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["answers_differing"] == 0 and report["questions"] == 6

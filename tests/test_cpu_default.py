@@ -11,7 +11,8 @@ import torch
 
 import clef_flash
 from clef_flash import machine
-from clef_flash.checkpoint.outliers import calibrate, default_calibration_requests, find_outliers, outlier_ratios
+from clef_flash.checkpoint.outliers import find_outliers, outlier_ratios
+from clef_flash.conversion import calibrate, default_calibration_requests
 from clef_flash.checkpoint.quant import Int8Linear, QuantizingSource, quantize_per_channel
 from clef_flash.checkpoint.w8a8 import INT_MM, W8A8_KERNELS, quantize_per_token
 from clef_flash.checkpoint.random_release import outlier_channels, write_random_release
@@ -159,7 +160,7 @@ def test_a_w8a8_kernel_runs_only_where_it_is_exact(name):
 def test_forced_w8a8_runs_the_exact_kernel_or_is_refused(tiny_dir, monkeypatch):
     """Forcing int8-w8a8 never runs an excluded kernel: the probe's fastest exact one, or a one-line refusal."""
     fake = FakeRates(fp32=60, bf16=12, int8=0.0, int8_kernel=None, excluded={"onednn": "not exact here", "int_mm": "not exact here"})
-    monkeypatch.setattr(clef_flash.engine, "machine_rates", lambda: fake)
+    monkeypatch.setattr(clef_flash.plan, "machine_rates", lambda: fake)
     with pytest.raises(clef_flash.errors.ClefError, match="no W8A8 kernel is exact here.*onednn: not exact"):
         clef_flash.load(tiny_dir, device="cpu", precision="int8-w8a8")
     assert choose_precision(CPU, stored_int8=True, calibrated=True, rates=lambda: fake).name == "int8-weight-only"

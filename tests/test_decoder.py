@@ -324,7 +324,9 @@ def test_segments_equal_one_pass(models, name, length):
         rest32 = ours(ids[:, 100:], state=state32)
         err32 = rel(torch.cat((out32, rest32), 1), ours(ids))
     print(f"{name}: segmented vs one pass: float64 {err64:.1e}, fp32 {err32:.1e}")
-    assert err64 <= 1e-12 and err32 <= 1e-5
+    # float64 is the equality check; fp32 only shows the rounding of another summation order, measured at
+    # 1.03e-5 with AVX2 kernels (ATEN_CPU_CAPABILITY=avx2) and below 1e-5 with AVX-512's.
+    assert err64 <= 1e-12 and err32 <= 3e-5
 
 
 def test_ragged_segments_equal_one_pass(models):

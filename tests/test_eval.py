@@ -175,13 +175,13 @@ def tiny_models(tiny_dir):
 
 @pytest.fixture
 def cached_load(monkeypatch, tiny_dir, tiny_models):
-    """`clef_flash.engine.load` answered from `tiny_models`: the commands run as they are, without reloading."""
+    """`clef_flash.loader.load` answered from `tiny_models`: the commands run as they are, without reloading."""
 
     def load(source, *, precision=None, **options):
         assert str(source) == str(tiny_dir)
         return tiny_models(precision)
 
-    monkeypatch.setattr("clef_flash.engine.load", load)
+    monkeypatch.setattr("clef_flash.loader.load", load)
 
 
 @pytest.fixture(scope="module")

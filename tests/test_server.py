@@ -589,7 +589,7 @@ def test_fuzzed_bodies_never_get_a_5xx(client, body, raw, as_raw):
 
 
 def test_serve_command(model, monkeypatch, capsys):
-    import clef_flash.engine
+    import clef_flash.loader
     import clef_flash.server
     from clef_flash.cli import main
 
@@ -599,7 +599,7 @@ def test_serve_command(model, monkeypatch, capsys):
         calls["load"] = (source, options)
         return model
 
-    monkeypatch.setattr(clef_flash.engine, "load", load)
+    monkeypatch.setattr(clef_flash.loader, "load", load)
     monkeypatch.setattr(clef_flash.server, "serve", lambda served, **options: calls.setdefault("serve", (served, options)))
     monkeypatch.setenv("CLEF_FLASH_API_KEY", "from-env")
     arguments = ["--max-length", "512", "--batch-wait-ms", "0", "--max-batch", "1", "--state-cache-mb", "64"]
@@ -614,6 +614,7 @@ def test_serve_command(model, monkeypatch, capsys):
             "resident_layers": None,
             "state_cache_mb": 64.0,
             "segment_tokens": 2048,
+            "coreml_runner": None,
             "max_length": 512,
         },
     )

@@ -104,8 +104,9 @@ def test_the_head_reads_a_long_memory_in_chunks(one_pass, requests, monkeypatch)
 def test_answer_many_runs_a_shared_state_once(requests):
     model = clef_flash.load("tiny", precision="fp32", state_cache_mb=0)
     calls = []
-    original = model._states
-    model._states = lambda records, timings: calls.append(len(records)) or original(records, timings)
+    backend = model.engine.backend
+    original = backend.run_states
+    backend.run_states = lambda rows, timings: calls.append(len(rows)) or original(rows, timings)
     model.answer_many(requests[6:9])  # one state, three question sets
     assert calls == [1] and model.state_cache.stats.hits == 2 and model.state_cache.stats.misses == 1
     model.answer_many(requests[6:9])  # the cache is off: run once again, shared again

@@ -12,7 +12,7 @@ from .errors import (
 
 __version__ = "0.1.0"
 
-_LAZY = {"load": "engine", "Clef": "engine", "EncodedRecord": "request.records", "EncodedQuestion": "request.records"}
+_LAZY = {"load": "loader", "Clef": "clef", "EncodedRecord": "request.records", "EncodedQuestion": "request.records"}
 
 
 def __getattr__(name: str):

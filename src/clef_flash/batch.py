@@ -44,7 +44,7 @@ from .errors import ClefError, RequestInvalid
 from .request.protocol import parse_request, parse_request_json
 
 if TYPE_CHECKING:
-    from .engine import Clef
+    from .clef import Clef
 
 PROGRESS_FORMAT = "clef-flash-batch"
 PROGRESS_VERSION = 1

@@ -10,8 +10,6 @@ while measuring: every record runs in full, as a record never seen before does.
 
 from __future__ import annotations
 
-import resource
-import sys
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -19,9 +17,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .errors import ClefError
+from .machine import peak_rss_mb
 
 if TYPE_CHECKING:
-    from .engine import Clef
+    from .clef import Clef
 
 PERCENTILES = (50, 90, 99)
 
@@ -33,11 +32,6 @@ def generated_requests(model: Clef, *, records: int, tokens: int, seed: int = 0)
         return model.encode(request).token_count
 
     return [request_of_tokens(count_tokens, tokens, seed=seed + index) for index in range(records)]
-
-
-def peak_rss_mb() -> float:
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / 2**20 if sys.platform == "darwin" else peak / 1024  # bytes on macOS, KiB on Linux
 
 
 def bench(model: Clef, requests: Sequence[Any], *, batch_size: int = 1, warmup: int = 1) -> dict[str, Any]:

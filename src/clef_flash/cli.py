@@ -31,7 +31,7 @@ from typing import Any, Sequence
 
 from .console import bar
 from .errors import ClefError, RequestInvalid
-from .coreml.layout import DEFAULT_BUCKETS, HEAD_OPTIONS, HEAD_QUESTIONS
+from .checkpoint.coreml_layout import DEFAULT_BUCKETS, HEAD_OPTIONS, HEAD_QUESTIONS, RUNNERS
 from .model.precision import PRECISION_CHOICES
 
 
@@ -204,7 +204,7 @@ def bucket_list(text: str) -> list[int]:
 def load_model(args: argparse.Namespace, **options: Any):
     """`load(--model, --device, --precision, --revision, --verify, --resident-layers, --state-cache-mb,
     --segment-tokens)` plus `options`."""
-    from .engine import load
+    from .loader import load
     from .prefill import DEFAULT_SEGMENT_TOKENS
 
     return load(
@@ -216,13 +216,15 @@ def load_model(args: argparse.Namespace, **options: Any):
         resident_layers=getattr(args, "resident_layers", None),
         state_cache_mb=getattr(args, "state_cache_mb", None),
         segment_tokens=getattr(args, "segment_tokens", None) or DEFAULT_SEGMENT_TOKENS,
+        coreml_runner=getattr(args, "coreml_runner", None),
         **options,
     )
 
 
 def answer_truncating(model: Any, request: Any) -> dict[str, Any]:
     """`model.answer`, with the state's tail cut to fit the token limit (said on stderr)."""
-    from .engine import Prepared, Timings
+    from .clef import Prepared
+    from .engine import Timings
 
     start = time.perf_counter()
     timings = Timings()
@@ -335,6 +337,7 @@ def engine_spec(args: argparse.Namespace, **options: Any):
         state_cache_mb=args.state_cache_mb,
         segment_tokens=args.segment_tokens,
         resident_layers=args.resident_layers,
+        coreml_runner=args.coreml_runner,
         **options,
     )
 
@@ -380,7 +383,8 @@ def command_batch(args: argparse.Namespace) -> int:
     from .request.records import DEFAULT_MAX_LENGTH
 
     from .checkpoint import open_checkpoint
-    from .engine import pick_device, precision_for
+    from .loader import plan_of
+    from .model.precision import COREML_PRECISION
 
     check_ray_flags(args, "--address", "--workers", "--cpus-per-worker", "--gpus-per-worker")
     max_length = args.max_length or DEFAULT_MAX_LENGTH
@@ -388,11 +392,13 @@ def command_batch(args: argparse.Namespace) -> int:
     # whose default differs, is refused instead of mixing precisions in one output.
     if args.ray:
         spec = engine_spec(args, max_length=max_length)
-        args.precision = spec.precision
+        resolved = spec.precision
     else:
         checkpoint = open_checkpoint(args.model, revision=args.revision)
-        args.precision = precision_for(checkpoint, pick_device(args.device), args.precision).name
-    made_with = {"source": args.model, "revision": args.revision, "precision": args.precision, "max_length": args.max_length}
+        resolved = plan_of(checkpoint, device=args.device, precision=args.precision, coreml_runner=args.coreml_runner).name
+    if resolved != COREML_PRECISION.name:
+        args.precision = resolved  # load what was recorded (a Core ML export runs as exported: no precision)
+    made_with = {"source": args.model, "revision": args.revision, "precision": resolved, "max_length": args.max_length}
     job = BatchJob.open(args.input, args.output, schema_path=args.schema, model=made_with, overwrite=args.overwrite)
     total = job.total()
     if job.done:
@@ -436,7 +442,7 @@ def write_report(args: argparse.Namespace, report: dict[str, Any], markdown: str
 
 
 def command_eval_agreement(args: argparse.Namespace) -> int:
-    from .engine import load
+    from .loader import load
     from .evaluate import agreement_markdown, evaluate_agreement
     from .plots import agreement_figure
 
@@ -510,7 +516,7 @@ def command_info(args: argparse.Namespace) -> int:
 def command_bench(args: argparse.Namespace) -> int:
     from .batch import read_jsonl
     from .bench import bench, format_bench, generated_requests
-    from .engine import load
+    from .loader import load
 
     requests = [request for _, request in read_jsonl(args.requests)] if args.requests else None
     if args.random:
@@ -620,7 +626,7 @@ MODEL_ARGUMENTS = (
         "--model",
         env="CLEF_FLASH_MODEL",
         default="tiny",
-        help="release directory, Hugging Face repo id (e.g. Cloudflare/clef-flash) or 'tiny' (random weights); "
+        help="release, bundle or Core ML export directory, Hugging Face repo id (e.g. Cloudflare/clef-flash) or 'tiny' (random weights); "
         "default $CLEF_FLASH_MODEL or tiny",
     ),
     arg("--revision", help="hub revision (branch, tag or commit) for a repo id"),
@@ -653,6 +659,12 @@ DEVICE_ARGUMENTS = (
         type=positive_int,
         metavar="N",
         help="run long records N tokens at a time, which bounds their memory (default 2048)",
+    ),
+    arg(
+        "--coreml-runner",
+        choices=RUNNERS,
+        help="for a Core ML export: coreml (the default; macOS) or torch (its traced fp32 twins, rebuilt from the "
+        "source it was exported from: checks an export anywhere before it goes to a Mac)",
     ),
 )
 

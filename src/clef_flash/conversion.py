@@ -18,11 +18,16 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .checkpoint import bundle
-from .checkpoint.outliers import calibrate as calibrate_model
-from .checkpoint.outliers import default_calibration_requests
+import torch
+from torch import nn
+
+from .checkpoint.loading import DECODER_PREFIX
+from .checkpoint.outliers import Calibration
 from .errors import ClefError
+from .model.precision import is_quantized
 
 BUILT_IN = "built-in"
+DEFAULT_CALIBRATION_REQUESTS = 16
 
 
 def convert(
@@ -66,20 +71,57 @@ def _calibration_requests(calibrate: str | os.PathLike[str] | Sequence[Any]) -> 
 
 def _calibrate(source, revision, requests: Sequence[Any]):
     from .checkpoint import open_checkpoint
-    from .engine import load, pick_device, precision_for
+    from .loader import load, pick_device
+    from .plan import resolve
 
     if not requests:
         raise ClefError("calibration needs at least one request")
     checkpoint = open_checkpoint(source, revision=revision)
-    precision = precision_for(checkpoint, pick_device("cpu"), None)  # the release's default here: bf16 or fp32
+    precision = resolve(checkpoint, pick_device("cpu"), None).precision  # the release's default here: bf16 or fp32
     parameters = sum(math.prod(checkpoint.tensors.shape(name)) for name in checkpoint.tensors.keys())
     resident = 4 if parameters * precision.compute_dtype.itemsize > _memory_bytes() // 2 else None
     model = load(source, device="cpu", precision=precision.name, revision=revision, resident_layers=resident)
     try:
-        return calibrate_model(model, requests)
+        return calibrate(model, requests)
     finally:
         del model
         gc.collect()
+
+
+def default_calibration_requests(count: int = DEFAULT_CALIBRATION_REQUESTS) -> list[dict[str, Any]]:
+    """Generated requests of every question type (request/samples.py), states of 5 to 400 words."""
+    from .request.samples import random_requests
+
+    return random_requests(seed=20261203, count=count, state_words=(5, 400))
+
+
+@torch.inference_mode()
+def calibrate(model: Any, requests: Sequence[Any]) -> Calibration:
+    """Run `requests` one at a time (no padding) and record max|x| per input channel at each projection."""
+    absmax: dict[str, torch.Tensor] = {}
+    hooks = []
+    for name, module in model.parts.decoder.named_modules():
+        if isinstance(module, nn.Linear) and is_quantized(f"{name}.weight", tuple(module.weight.shape)):
+            weight_name = f"{DECODER_PREFIX}{name}.weight"
+
+            def record(module, inputs, weight_name=weight_name):
+                seen = inputs[0].detach().abs().float().reshape(-1, inputs[0].shape[-1]).amax(dim=0)  # [I]
+                previous = absmax.get(weight_name)
+                absmax[weight_name] = seen if previous is None else torch.maximum(previous, seen)
+
+            hooks.append(module.register_forward_pre_hook(record))
+    if not hooks:
+        raise ValueError("calibration needs the model at 16 or 32 bits (its projections as nn.Linear)")
+    tokens = 0
+    try:
+        for request in requests:
+            record = model.prepare(request).record
+            model.score([record])
+            tokens += record.token_count
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return Calibration(activation_absmax=absmax, records=len(requests), tokens=tokens)
 
 
 def _memory_bytes() -> int:

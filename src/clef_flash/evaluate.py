@@ -31,7 +31,8 @@ from .request.protocol import parse_request
 from .request.records import question_options
 
 if TYPE_CHECKING:
-    from .engine import Clef, QuestionResult
+    from .clef import Clef
+    from .engine import QuestionResult
 
 DEFAULT_NEAR_TIE = 0.05
 DEFAULT_BINS = 10

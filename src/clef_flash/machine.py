@@ -16,8 +16,9 @@ import hashlib
 import json
 import os
 import platform
+import resource
+import sys
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -190,3 +191,9 @@ def describe(machine: Machine, measured: Rates) -> dict:
         },
     }
 
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far, in MiB."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 1024  # bytes on macOS, KiB on Linux

@@ -1,7 +1,7 @@
-"""Loading: model sources (release, hub, bundle, random), safetensors I/O, int8 quantization, the bundle.
+"""Loading: model sources (release, hub, bundle, random, Core ML export), safetensors I/O, int8 quantization, the bundle.
 
     open_checkpoint(source) -> Checkpoint        the front door, whatever the source (sources.py, bundle.py)
-    build_model(checkpoint, precision, device)   strict loading into modules (loading.py)
+    build_model(checkpoint, plan)                strict loading into modules (loading.py; plan.py says how)
 """
 
 from __future__ import annotations
@@ -10,18 +10,22 @@ import os
 
 from .bundle import is_bundle, open_bundle
 from .loading import ModelParts, build_model
-from .sources import RANDOM_PREFIX, Checkpoint, open_random, open_release, resolve_source
+from .sources import RANDOM_PREFIX, Checkpoint, open_export, open_random, open_release, resolve_source
+from .coreml_layout import is_export
 
 
 def open_checkpoint(source: str | os.PathLike[str], *, revision: str | None = None, verify: bool = False) -> Checkpoint:
     """Open a model source: "tiny", "random:NAME[:SEED]", a bundle or release directory, or a hub repo id.
 
-    `verify` checks a bundle's sha256 checksums first. Nothing is loaded into modules yet.
+    `verify` checks a bundle's sha256 checksums first. Nothing is loaded into modules yet. A Core ML export
+    (`clef-flash export coreml`) opens as a checkpoint of kind "coreml" with no tensors: its packages run it.
     """
     text = os.fspath(source)
     if text.startswith(RANDOM_PREFIX):
         return open_random(text)
     root = resolve_source(text, revision=revision)
+    if is_export(root):
+        return open_export(root, source=text)
     if is_bundle(root):
         return open_bundle(root, source=text, verify=verify)
     return open_release(root, source=text)

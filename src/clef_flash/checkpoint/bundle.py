@@ -31,7 +31,7 @@ import torch
 
 from ..console import ProgressBar
 from ..errors import BundleError, ModelSourceError, WeightsError
-from ..model.precision import KEPT_HIGH_PRECISION, PRECISIONS, storage_dtype_of
+from ..model.precision import KEPT_HIGH_PRECISION, PRECISIONS, Plan, storage_dtype_of
 from .loading import DECODER_PREFIX, IGNORED_PREFIXES, LM_HEAD, build_model
 from .quant import SCHEME, QuantizingSource
 from .outliers import MAX_FRACTION, THRESHOLD, Calibration, find_outliers
@@ -198,7 +198,7 @@ def _check(checkpoint: Checkpoint) -> None:
     shapes = dataclasses.replace(
         checkpoint, tensors=ShapesOnly(checkpoint.tensors), head_tensors=ShapesOnly(checkpoint.head_tensors)
     )
-    build_model(shapes, PRECISIONS["int8-weight-only"], torch.device("meta"))
+    build_model(shapes, Plan(PRECISIONS["int8-weight-only"], torch.device("meta")))
 
 
 # -- loading -----------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Strict loading: build the modules on the meta device, check every name and shape, fill them by name.
 
-`build_model(checkpoint, precision, device)` is the one way a model is made, whatever the source
+`build_model(checkpoint, plan)` is the one way a model is made, whatever the source
 (release, hub download, bundle, random tensors). A tensor the model needs that is missing, one we do
 not know, or one of the wrong shape is an error that lists them, sorted. Only the vision tower
 (`model.visual.*`) and the multi-token-prediction layers (`mtp.*`) are skipped, by name. Each tensor is
@@ -20,12 +20,13 @@ from torch.overrides import TorchFunctionMode
 
 from ..errors import ModelSourceError
 from ..errors import WeightsError
-from ..model.precision import OUTLIER_CHANNELS, Precision
+from ..model.precision import OUTLIER_CHANNELS
 from .quant import QuantizingSource, replace_linears
 from .w8a8 import INT_MM
 from .safetensors_io import TensorSource
 
 if TYPE_CHECKING:
+    from ..model.precision import Plan
     from .sources import Checkpoint
 
 DECODER_PREFIX = "model.language_model."
@@ -157,24 +158,17 @@ class ModelParts:
     lm_head: torch.Tensor  # [V, D] output embeddings, as stored (rows gathered by the head)
 
 
-def build_model(
-    checkpoint: Checkpoint,
-    precision: Precision,
-    device: torch.device,
-    *,
-    resident_layers: int | None = None,
-    int8_kernel: str = INT_MM,
-    dense_dtype: torch.dtype | None = None,
-) -> ModelParts:
+def build_model(checkpoint: Checkpoint, plan: Plan, *, resident_layers: int | None = None) -> ModelParts:
     """Build the modules on the meta device, check every name and shape, and fill them from the checkpoint.
 
     With an int8 precision the decoder's projections are `Int8Linear`s, filled from a source that holds
     int8 weights and their scales (a bundle), or from the checkpoint quantized tensor by tensor while
     loading (`QuantizingSource`). `resident_layers` (low-memory mode): at most that many decoder layers
     hold their weights at once, each filled from the (memory-mapped) source just before it runs.
-    `int8_kernel`: the library W8A8 runs on (quant.W8A8_KERNELS; the machine's probe picks it on a CPU);
-    `dense_dtype`: the dtype of W8A8's weight-only projections (bf16 where the probe finds it fast).
+    The `plan` (plan.py) says everything else: the precision, the W8A8 kernel, the dtype of W8A8's
+    weight-only projections, the device.
     """
+    precision, device = plan.precision, plan.device
     from ..model.config import TextConfig
     from ..model.joint_head import HeadConfig, JointHead
     from ..model.qwen3_5 import Qwen35Decoder
@@ -202,7 +196,7 @@ def build_model(
             for name in tensors.keys()
             if name.startswith(DECODER_PREFIX) and name.endswith("." + OUTLIER_CHANNELS)
         }
-        replace_linears(decoder, precision.int8_mode, outliers=outliers, kernel=int8_kernel, dense_dtype=dense_dtype)
+        replace_linears(decoder, precision.int8_mode, outliers=outliers, kernel=plan.kernel or INT_MM, dense_dtype=plan.dense_dtype)
         decoder.activation_dtype = precision.compute_dtype
     expected = module_shapes(decoder, DECODER_PREFIX)
     expected[LM_HEAD] = (text_config.vocab_size, text_config.hidden_size)

@@ -11,7 +11,7 @@ Sources, tried in this order:
 
 A `Checkpoint` holds what the model is made from: the configs, the tokenizer, the decoder's and the
 head's tensor sources (read lazily), whether the decoder is stored int8, and fingerprints. Nothing is
-loaded into modules here: `loading.build_model(checkpoint, precision, device)` does that. A new kind of
+loaded into modules here: `loading.build_model(checkpoint, plan)` does that. A new kind of
 source is one `open_*` function returning a `Checkpoint` and one branch of `open_checkpoint`.
 """
 
@@ -44,13 +44,13 @@ class Checkpoint:
     """A model source, opened: configs, tokenizer and tensor sources, nothing loaded yet."""
 
     source: str  # as the user gave it
-    kind: str  # "release", "bundle" or "random"
+    kind: str  # "release", "bundle", "random" or "coreml" (an export: packages, no tensors)
     root: Path | None  # the directory, None for tensors drawn in memory
     config: dict  # config.json as read
     head_config: dict  # joint_head_config.json as read
     tokenizer_file: Path
-    tensors: TensorSource  # the decoder (model.language_model.*) and lm_head.weight
-    head_tensors: TensorSource  # the joint head
+    tensors: TensorSource | None  # the decoder (model.language_model.*) and lm_head.weight; None: a Core ML export
+    head_tensors: TensorSource | None  # the joint head
     stored_int8: bool = False  # the decoder projections are stored int8 (a bundle)
     manifest: dict | None = None  # a bundle's manifest
     decoder_files: str = "model*.safetensors"  # for error messages
@@ -107,6 +107,28 @@ def open_release(root: Path, *, source: str | None = None) -> Checkpoint:
         tokenizer_file=root / "tokenizer.json",
         tensors=SafetensorsFiles(release_files(root)),
         head_tensors=SafetensorsFiles([root / HEAD_WEIGHTS]),
+    )
+
+
+def open_export(root: Path, *, source: str | None = None) -> Checkpoint:
+    """A Core ML export directory (checkpoint/coreml_layout.py): the release's config it was made from, its tokenizer;
+    the packages hold the weights (engine/coreml_backend.py runs them)."""
+    from .coreml_layout import CONFIG, MANIFEST, TOKENIZER
+    from .coreml_layout import read_json as read_export_json
+
+    config = read_export_json(root / CONFIG)
+    return Checkpoint(
+        source=source or str(root),
+        kind="coreml",
+        root=root,
+        config=config.get("release_config", {}),
+        head_config={},
+        tokenizer_file=root / TOKENIZER,
+        tensors=None,
+        head_tensors=None,
+        stored_int8=True,
+        manifest=read_export_json(root / MANIFEST),
+        decoder_files="Core ML packages",
     )
 
 

@@ -1,4 +1,4 @@
-"""`clef-flash export coreml SRC OUT`: the Core ML packages in the port's layout (coreml/layout.py).
+"""`clef-flash export coreml SRC OUT`: the Core ML packages in the port's layout (checkpoint/coreml_layout.py).
 
 Streaming, part by part: a part's layers are filled from the source (fp32), traced once per bucket
 (`torch.jit.trace`), converted (`ct.convert`, fp16 compute, macOS 15), and their projections quantized per op:
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..bench import peak_rss_mb
+from ..machine import peak_rss_mb
 from ..checkpoint import open_checkpoint
 from ..checkpoint.loading import DECODER_PREFIX, EMBEDDING, LM_HEAD
 from ..checkpoint.quant import SCHEME
@@ -35,7 +35,7 @@ from ..errors import BundleError, ClefError
 from ..model.config import TextConfig
 from ..model.export import MASKED, rotary_tables
 from ..model.precision import COREML_HEAD_DTYPE, COREML_PART_DTYPE, COREML_TABLE_DTYPE, EXPORT_DTYPE, KEPT_HIGH_PRECISION, is_quantized
-from . import layout
+from ..checkpoint import coreml_layout as layout
 from .host import numpy_dtype
 from .modules import build_head, build_part, part_layers
 

@@ -25,13 +25,10 @@ from ..errors import RequestInvalid
 from ..model.config import TextConfig
 from ..model.export import rotary_tables
 from ..model.head_batch import QUESTION_TYPE_COUNT, HeadBatch, build_head_batch, softmax_per_question, split_logits
-from ..model.precision import COREML_HEAD_DTYPE, COREML_TABLE_DTYPE, FP16, WEIGHT_ONLY, Precision
+from ..model.precision import COREML_HEAD_DTYPE, COREML_TABLE_DTYPE
 from ..request.records import EncodedRecord
 from ..request.tokenizer import Tokenizer
-from . import layout
-
-PRECISION = Precision("coreml-int8-fp16", FP16, WEIGHT_ONLY, reason="the Core ML packages: 8-bit weights, fp16 compute")
-
+from ..checkpoint import coreml_layout as layout
 
 class Runner(Protocol):
     """Runs one function of one package. `part_dtype`: the dtype the parts take and return."""
@@ -46,14 +43,14 @@ Scored = tuple[str, tuple[str, ...], tuple[float, ...], tuple[float, ...]]
 
 
 class CoreMLHost:
-    """An export directory opened for scoring: tables mapped, tokenizer and text config read."""
+    """An export (a directory, or its layout already read) opened for scoring: tables mapped, tokenizer and
+    text config read."""
 
-    def __init__(self, root: str | os.PathLike[str], runner: Runner, *, verify: bool = False):
-        self.layout = layout.read_export(root, verify=verify)
+    def __init__(self, export: str | os.PathLike[str] | layout.ExportLayout, runner: Runner, *, verify: bool = False):
+        self.layout = export if isinstance(export, layout.ExportLayout) else layout.read_export(export, verify=verify)
         config = self.layout.config
         self.root = self.layout.root
         self.runner = runner
-        self.precision = PRECISION
         self.text_config = TextConfig.from_release_config(config["release_config"])
         self.tokenizer = Tokenizer.from_file(self.root / layout.TOKENIZER)
         self.embeddings = self._table(layout.EMBEDDINGS)

@@ -19,7 +19,7 @@ from ..checkpoint import open_checkpoint
 from ..errors import ModelSourceError
 from ..model.config import TextConfig
 from ..model.precision import COREML_PART_DTYPE, EXPORT_DTYPE
-from . import layout
+from ..checkpoint import coreml_layout as layout
 from .modules import build_head, build_part
 
 COMPUTE_UNITS = "CPU_AND_GPU"  # the port's; ALL adds the Neural Engine
@@ -86,3 +86,17 @@ class TorchRunner:
             self.traced[key] = self.trace(self.modules[package], arguments)
         with torch.no_grad(), torch.jit.optimized_execution(False):  # no profiling runs: one plain pass
             return self.traced[key](*arguments)
+
+
+def make_runner(name: str, export: layout.ExportLayout) -> MLModelRunner | TorchRunner:
+    """"coreml": Core ML (macOS); "torch": the traced fp32 twins, rebuilt from the source the export was made from."""
+    if name == "coreml":
+        return MLModelRunner(export.root)
+    source = export.manifest["source"]["path"]
+    try:
+        return TorchRunner(source, export)
+    except ModelSourceError as exc:
+        raise ModelSourceError(
+            f"{export.root}: the torch runner rebuilds the export's twins from its source {source!r}, which cannot "
+            f"be opened here ({exc}); use the Core ML runner on a Mac"
+        ) from None

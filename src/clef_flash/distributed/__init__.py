@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import ClefError
 
 if TYPE_CHECKING:
-    from ..engine import Clef
+    from ..clef import Clef
 
 RAY_MISSING = 'Ray is not installed: pip install "clef-flash[ray]"'
 
@@ -63,6 +63,7 @@ class EngineSpec:
     state_cache_mb: float | None = None
     segment_tokens: int | None = None
     resident_layers: int | None = None
+    coreml_runner: str | None = None  # a Core ML export: what runs it (it runs as exported: no precision)
     threads: int | None = None  # torch intra-op threads of each worker; None: torch's default
     fingerprint: str | None = None  # config, then weights: what the driver opened
     weights_fingerprint: str | None = None
@@ -75,14 +76,14 @@ class EngineSpec:
 
         from ..checkpoint import open_checkpoint
         from ..checkpoint.sources import RANDOM_PREFIX
-        from ..engine import precision_for
+        from ..loader import plan_of
 
         checkpoint = open_checkpoint(source, revision=revision)
         local = str(source) != "tiny" and not str(source).startswith(RANDOM_PREFIX) and Path(source).expanduser().is_dir()
         shipped = str(Path(source).expanduser().resolve()) if local else str(source)  # a hub id: each node downloads it
         return cls(
             source=shipped,
-            precision=precision_for(checkpoint, torch.device(device), precision).name,
+            precision=plan_of(checkpoint, device=torch.device(device), precision=precision, coreml_runner=options.get("coreml_runner")).name,
             device=device,
             revision=revision,
             fingerprint=checkpoint.fingerprint,
@@ -95,7 +96,7 @@ class EngineSpec:
         the model the driver opened."""
         import torch
 
-        from ..engine import load
+        from ..loader import load
 
         if self.threads is not None:
             torch.set_num_threads(self.threads)
@@ -106,10 +107,14 @@ class EngineSpec:
                 ("state_cache_mb", self.state_cache_mb),
                 ("segment_tokens", self.segment_tokens),
                 ("resident_layers", self.resident_layers),
+                ("coreml_runner", self.coreml_runner),
             )
             if value is not None
         }
-        model = load(self.source, device=self.device, precision=self.precision, revision=self.revision, **options)
+        from ..model.precision import COREML_PRECISION
+
+        precision = None if self.precision == COREML_PRECISION.name else self.precision  # an export runs as exported
+        model = load(self.source, device=self.device, precision=precision, revision=self.revision, **options)
         loaded = (model.checkpoint.fingerprint, model.checkpoint.weights_fingerprint)
         if self.fingerprint is not None and loaded != (self.fingerprint, self.weights_fingerprint):
             raise ClefError(

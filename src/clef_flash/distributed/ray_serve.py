@@ -29,7 +29,7 @@ from ..engine import fitting
 from . import EngineSpec, connect
 
 if TYPE_CHECKING:
-    from ..engine import Clef
+    from ..clef import Clef
 
 APP_NAME = "clef-flash"
 HEADROOM_REQUESTS = 16  # requests a replica takes beyond its queue and batch: /health, /metrics, the demo

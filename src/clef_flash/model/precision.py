@@ -21,7 +21,7 @@ import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -155,6 +155,8 @@ PRECISIONS: dict[str, Precision] = {
     **{f"int8-{mode}": Precision(f"int8-{mode}", FP32, mode) for mode in INT8_MODES},
 }
 ALIASES = {"int8": f"int8-{DEFAULT_INT8_MODE}"}
+# The Core ML packages run as exported: 8-bit weights, fp16 compute (not a choice: never in PRECISION_CHOICES).
+COREML_PRECISION = Precision("coreml-int8-fp16", COREML_PART_DTYPE, WEIGHT_ONLY, reason="the Core ML packages: 8-bit weights, fp16 compute")
 # What `--precision` and `load(precision=...)` accept: the plain precisions, the aliases, the int8 modes.
 PRECISION_CHOICES = (
     *(name for name, value in PRECISIONS.items() if not value.quantized),
@@ -169,6 +171,59 @@ def parse_precision(text: str) -> Precision:
     if name not in PRECISIONS:
         raise ValueError(f"unknown precision {text!r}: use one of {', '.join(PRECISION_CHOICES)}")
     return PRECISIONS[name]
+
+
+TORCH, COREML = "torch", "coreml"
+BACKENDS = (TORCH, COREML)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a model runs (resolved once by plan.py's `resolve`). `key` is the whole plan: what the state cache's identity includes."""
+
+    precision: Precision
+    device: torch.device
+    kernel: str | None = None  # the W8A8 kernel (checkpoint/w8a8.py); None unless W8A8 on a CPU
+    dense_dtype: torch.dtype | None = None  # W8A8's weight-only projections; None: tile by tile per forward
+    backend: str = TORCH
+
+    @property
+    def name(self) -> str:
+        return self.precision.name
+
+    @property
+    def reason(self) -> str:
+        return self.precision.reason
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.precision.compute_dtype
+
+    @property
+    def int8_mode(self) -> str | None:
+        return self.precision.int8_mode
+
+    @property
+    def key(self) -> str:
+        return "|".join(
+            map(str, (self.backend, self.name, self.compute_dtype, self.int8_mode, self.kernel, self.dense_dtype, self.device))
+        )
+
+    def describe(self) -> dict[str, Any]:
+        """What `info`, `/health` and `Clef.plan` show."""
+        return {
+            "backend": self.backend,
+            "precision": self.name,
+            "compute_dtype": str(self.compute_dtype).removeprefix("torch."),
+            "int8_mode": self.int8_mode,
+            "kernel": self.kernel,
+            "dense_dtype": str(self.dense_dtype).removeprefix("torch.") if self.dense_dtype is not None else None,
+            "device": str(self.device),
+            "reason": self.reason,
+        }
+
+    def with_reason(self, reason: str) -> Plan:
+        return dataclasses.replace(self, precision=self.precision.with_reason(reason))
 
 
 # -- the default: the fastest qualified path on this machine -------------------------------------------

@@ -42,7 +42,7 @@ from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .. import __version__
-from ..engine import Prepared
+from ..clef import Prepared
 from ..errors import InferenceError, RequestInvalid
 from ..request.protocol import parse_request_json
 from . import schemas
@@ -51,7 +51,7 @@ from .body import ApiError, ClientGone, ParseBudget, check_content_type, read_bo
 from .metrics import ServerMetrics
 
 if TYPE_CHECKING:
-    from ..engine import Clef
+    from ..clef import Clef
 
 log = logging.getLogger("clef_flash.server")
 
@@ -300,6 +300,7 @@ class SystemOneServer:
             "precision": model.precision,
             "precision_reason": model.precision_policy.reason,
             "device": str(model.device),
+            **model.describe(),  # the plan (backend, kernel, dtypes), state reuse and why not, the backend's shape
             "random_weights": model.is_random,
             "max_length": model.max_length,
             "api_key_required": self.settings.api_key is not None,

@@ -29,7 +29,7 @@ from ..request.records import EncodedRecord
 from .metrics import ServerMetrics
 
 if TYPE_CHECKING:
-    from ..engine import Clef
+    from ..clef import Clef
 
 log = logging.getLogger("clef_flash.server")
 

@@ -24,14 +24,23 @@ import asyncio
 import logging
 import resource
 import socket
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-if TYPE_CHECKING:
-    from .app import SystemOneServer
+
+
+class Served(Protocol):
+    """What the transport needs of the app it serves (server/app.py's SystemOneServer): its limits, and
+    the two steps of a shutdown."""
+
+    settings: Any  # ServerSettings: header/body/shutdown deadlines, max_connections
+
+    def begin_shutdown(self, worker_join_s: float) -> None: ...
+
+    def abandon_queue(self, reason: str) -> int: ...
 
 log = logging.getLogger("clef_flash.server")
 
@@ -147,7 +156,7 @@ def protocol_class(header_timeout_s: float, body_timeout_s: float, max_connectio
 class DeadlineServer(uvicorn.Server):
     """uvicorn's server with a shutdown deadline tied to the app's queue (see the module's doc)."""
 
-    def __init__(self, config: uvicorn.Config, system_one: SystemOneServer):
+    def __init__(self, config: uvicorn.Config, system_one: Served):
         super().__init__(config)
         self.system_one = system_one
 
@@ -185,7 +194,7 @@ def raise_open_file_limit(wanted: int) -> None:
 
 def uvicorn_server(app: Any, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", **options: Any) -> DeadlineServer:
     """A `DeadlineServer` for an app from `create_app`, its limits read from the app's settings."""
-    system_one: SystemOneServer = app.state.system_one
+    system_one: Served = app.state.system_one
     settings = system_one.settings
     raise_open_file_limit(settings.max_connections)
     config = uvicorn.Config(

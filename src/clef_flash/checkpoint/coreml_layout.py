@@ -42,6 +42,7 @@ PART_OUTPUT = "out"
 HEAD_INPUTS = ("states", "mem_mask", "last", "q_mean", "o_mean", "o2q", "lexical", "type_oh", "q_mask", "o_mask")
 HEAD_OUTPUT = "logits"
 REDO = ": export it again (clef-flash export coreml SRC OUT)"
+RUNNERS = ("coreml", "torch")  # what runs an export: Core ML (macOS), or its traced fp32 torch twins (coreml/runners.py)
 
 
 def function_name(bucket: int) -> str:
@@ -125,7 +126,7 @@ def is_export(source: str | os.PathLike[str]) -> bool:
 
 def read_export(root: str | os.PathLike[str], *, verify: bool = False) -> ExportLayout:
     """The export at `root`, checked: format, version, every file present with its size (and sha256 with `verify`)."""
-    from ..checkpoint.safetensors_io import sha256_of
+    from .safetensors_io import sha256_of
 
     root = Path(root)
     manifest = read_json(root / MANIFEST)

@@ -1,0 +1,207 @@
+"""`Clef`, the facade: a loaded model as the protocol sees it. Build one with `clef_flash.load(source)`.
+
+It owns requests: parse, encode (and truncate), score through the engine, and shape the System One
+answers. Everything above it (server, batch, eval, bench, Ray, the CLI) is written against it once, for
+every backend. What runs the tensors is the engine's backend (engine/); how, the plan (plan.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .checkpoint import Checkpoint
+from .engine import Engine, QuestionResult, Timings
+from .plan import Plan
+from .request.answers import shape_response
+from .request.protocol import DEFAULT_MODEL_NAME, SystemOneRequest, parse_request
+from .request.records import DEFAULT_MAX_LENGTH, EncodedRecord, encode_record
+from .errors import RequestInvalid
+from .state_cache import StateCache
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A request validated and encoded: what the engine scores and what its answer is shaped from."""
+
+    request: SystemOneRequest
+    record: EncodedRecord
+
+    def respond(self, results: Sequence[QuestionResult], *, default_model: str, decimals: int | None = 4) -> dict[str, Any]:
+        """The System One response body from this record's scored questions."""
+        return shape_response(
+            self.request,
+            [(result.option_ids, result.probabilities) for result in results],
+            input_tokens=self.record.token_count,
+            decimals=decimals,
+            default_model=default_model,
+        )
+
+
+class Clef:
+    """A loaded clef-flash model: requests in, System One answers out."""
+
+    def __init__(self, checkpoint: Checkpoint, engine: Engine, *, max_length: int = DEFAULT_MAX_LENGTH):
+        self.checkpoint = checkpoint
+        self.engine = engine
+        self.tokenizer = checkpoint.tokenizer
+        self.max_length = max_length
+        self.model_name = DEFAULT_MODEL_NAME
+        self.last_timings = Timings()
+
+    # -- what it is ---------------------------------------------------------------------------
+
+    @property
+    def plan(self) -> Plan:
+        """How it runs: backend, precision, kernel, dtypes, device and why (plan.py)."""
+        return self.engine.backend.plan
+
+    @property
+    def precision(self) -> str:
+        """The precision this model runs in: fp32, bf16, fp64, int8-weight-only, int8-w8a8 (or Core ML's)."""
+        return self.plan.name
+
+    @property
+    def precision_policy(self):
+        return self.plan.precision
+
+    @property
+    def device(self) -> torch.device:
+        return self.plan.device
+
+    @property
+    def source(self) -> str:
+        return self.checkpoint.source
+
+    @property
+    def is_random(self) -> bool:
+        return self.checkpoint.is_random
+
+    @property
+    def state_cache(self) -> StateCache:
+        return self.engine.state_cache
+
+    @property
+    def state_reuse(self) -> str:
+        """"on", "off" (a bound of 0) or why the backend cannot continue a state."""
+        unsupported = self.engine.backend.state_reuse_unsupported
+        return f"unsupported: {unsupported}" if unsupported else ("on" if self.state_cache.enabled else "off")
+
+    @property
+    def parts(self):
+        """The torch backend's modules (decoder, head, output embeddings); None on Core ML."""
+        return getattr(self.engine.backend, "parts", None)
+
+    @property
+    def host(self):
+        """The Core ML backend's host (coreml/host.py); None on torch."""
+        return getattr(self.engine.backend, "host", None)
+
+    @property
+    def batch_tokens(self) -> int:
+        return self.engine.batch_tokens
+
+    @batch_tokens.setter
+    def batch_tokens(self, value: int) -> None:
+        self.engine.batch_tokens = value
+
+    @property
+    def keep_from_tokens(self) -> int:
+        return self.engine.keep_from_tokens
+
+    @keep_from_tokens.setter
+    def keep_from_tokens(self, value: int) -> None:
+        self.engine.keep_from_tokens = value
+
+    @property
+    def segment_tokens(self) -> int | None:
+        return getattr(self.engine.backend, "segment_tokens", None)
+
+    @segment_tokens.setter
+    def segment_tokens(self, value: int) -> None:
+        self.engine.backend.segment_tokens = value
+
+    def describe(self) -> dict[str, Any]:
+        """What /health and `info` say of the loaded model beyond its identity."""
+        return {"plan": self.plan.describe(), "state_reuse": self.state_reuse, **self.engine.backend.describe()}
+
+    def __repr__(self) -> str:
+        random = " (random weights)" if self.is_random else ""
+        return f"Clef({self.source!r}, precision={self.precision}, device={self.device}){random}"
+
+    # -- requests --------------------------------------------------------------------------
+
+    def parse(self, request: Any) -> SystemOneRequest:
+        return request if isinstance(request, SystemOneRequest) else parse_request(request)
+
+    def encode(self, request: Any, *, truncate_state: bool = False) -> EncodedRecord:
+        """Validate a request and render it to token ids and spans (SPEC §3)."""
+        return encode_record(self.tokenizer, self.parse(request), max_length=self.max_length, truncate_state=truncate_state)
+
+    def prepare(self, request: Any, *, truncate_state: bool = False) -> Prepared:
+        """Parse and encode a request (raises RequestInvalid / RecordTooLong, before any inference), and
+        check that the backend can run it."""
+        parsed = self.parse(request)
+        prepared = Prepared(parsed, self.encode(parsed, truncate_state=truncate_state))
+        self.engine.backend.check(prepared.record)
+        return prepared
+
+    def respond(self, prepared: Prepared, results: Sequence[QuestionResult], *, decimals: int | None = 4) -> dict[str, Any]:
+        """The System One body of a prepared request from its scored questions."""
+        return prepared.respond(results, default_model=self.model_name, decimals=decimals)
+
+    # -- inference -------------------------------------------------------------------------
+
+    def batches(self, records: Sequence[EncodedRecord]) -> list[list[int]]:
+        """Indices of records grouped into forwards: sorted by length, each within the token budget."""
+        return self.engine.batches(records)
+
+    @torch.inference_mode()
+    def score(self, records: Sequence[EncodedRecord], timings: Timings | None = None) -> list[list[QuestionResult]]:
+        """Logits and probabilities for every question of every encoded record (engine/core.py)."""
+        return self.engine.score(records, timings)
+
+    # -- the public API of SPEC §7 ------------------------------------------------------------
+
+    def logits(self, request: Any) -> dict[str, dict[str, float]]:
+        """Unrounded logits per question and option (options in the model's order)."""
+        (results,) = self._run([request])[1]
+        return {result.question_id: dict(zip(result.option_ids, result.logits)) for result in results}
+
+    def probabilities(self, request: Any) -> dict[str, dict[str, float]]:
+        """Unrounded float32 softmax probabilities per question and option."""
+        (results,) = self._run([request])[1]
+        return {result.question_id: dict(zip(result.option_ids, result.probabilities)) for result in results}
+
+    def answer(self, request: Any, *, decimals: int | None = 4, truncate_state: bool = False) -> dict[str, Any]:
+        """The System One response body for one request (`truncate_state`: cut the state's end to fit)."""
+        return self.answer_many([request], decimals=decimals, truncate_state=truncate_state)[0]
+
+    def answer_many(self, requests: Sequence[Any], *, decimals: int | None = 4, truncate_state: bool = False) -> list[dict[str, Any]]:
+        """System One response bodies for many requests, batched into as few forwards as fit."""
+        prepared, results = self._run(requests, truncate_state=truncate_state)
+        return [self.respond(item, per_question, decimals=decimals) for item, per_question in zip(prepared, results)]
+
+    def _run(self, requests: Sequence[Any], *, truncate_state: bool = False) -> tuple[list[Prepared], list[list[QuestionResult]]]:
+        """Validate and encode every request (errors name the request's position), then score them all."""
+        timings = Timings()
+        start = time.perf_counter()
+        prepared = []
+        for position, request in enumerate(requests):
+            try:
+                prepared.append(self.prepare(request, truncate_state=truncate_state))
+            except RequestInvalid as error:
+                if len(requests) == 1:
+                    raise
+                raise RequestInvalid(
+                    [{**item, "loc": [item["loc"][0], position, *item["loc"][1:]]} for item in error.errors]
+                ) from error
+        timings.tokenize_ms = (time.perf_counter() - start) * 1000
+        results = self.score([item.record for item in prepared], timings) if prepared else []
+        timings.total_ms = (time.perf_counter() - start) * 1000
+        self.last_timings = timings
+        return prepared, results

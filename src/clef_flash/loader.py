@@ -1,0 +1,95 @@
+"""`load`: the front door. A source opens into a checkpoint (checkpoint/), the plan is resolved once
+(plan.py), the backend is built from both (engine/), and the facade (clef.py) is returned.
+
+    load("tiny") / load(DIR) / load("Cloudflare/clef-flash") / load("random:9b-part")   torch backend
+    load(EXPORT)                         a Core ML export: Core ML on macOS
+    load(EXPORT, coreml_runner="torch")  the export's traced fp32 twins standing in for Core ML (anywhere)
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .checkpoint import Checkpoint, open_checkpoint
+from .coreml.host import Runner
+from .clef import Clef
+from .engine import DEFAULT_BATCH_TOKENS, KEEP_FROM_TOKENS, Engine
+from .errors import ClefError
+from .model.precision import COREML, Plan
+from .plan import coreml_plan, resolve
+from .prefill import DEFAULT_SEGMENT_TOKENS
+from .request.records import DEFAULT_MAX_LENGTH
+from .state_cache import MEBIBYTE, StateCache, default_state_cache_mb
+
+
+def pick_device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ClefError(f"unknown device {device!r}: use 'auto', 'cpu' or 'cuda'") from exc
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ClefError("device 'cuda' was asked for, but no CUDA device is available")
+    return resolved
+
+
+def plan_of(checkpoint: Checkpoint, *, device: str | torch.device = "auto", precision: str | None = None, coreml_runner: Runner | str | None = None) -> Plan:
+    """The plan `load` runs `checkpoint` in, decided without building anything (batch's progress file,
+    Ray's engine spec): a Core ML export runs as exported; anything else is resolved on this machine."""
+    if checkpoint.kind == "coreml":
+        if precision is not None:
+            raise ClefError(f"{checkpoint.where} is a Core ML export: it runs as exported (8-bit weights, fp16); leave precision unset")
+        runner = coreml_runner or "coreml"
+        return coreml_plan(runner if isinstance(runner, str) else type(runner).__name__)
+    if coreml_runner is not None:
+        raise ClefError(f"{checkpoint.where} is not a Core ML export: --coreml-runner applies to exports only")
+    return resolve(checkpoint, pick_device(device), precision)
+
+
+def load(
+    source: str | os.PathLike[str] = "tiny",
+    *,
+    device: str | torch.device = "auto",
+    precision: str | None = None,
+    revision: str | None = None,
+    max_length: int = DEFAULT_MAX_LENGTH,
+    batch_tokens: int = DEFAULT_BATCH_TOKENS,
+    verify: bool = False,
+    resident_layers: int | None = None,
+    segment_tokens: int = DEFAULT_SEGMENT_TOKENS,
+    state_cache_mb: float | None = None,
+    coreml_runner: str | Runner | None = None,
+) -> Clef:
+    """Load a model: a release or bundle directory, a Core ML export, a Hugging Face repo id, "tiny" (a
+    generated random release) or "random:NAME[:SEED]" (random weights drawn in memory; names in RANDOM_CONFIGS).
+
+    `precision` (model/precision.py): fp32, bf16, fp64, int8 (= int8-weight-only) or int8-w8a8; None:
+    $CLEF_FLASH_PRECISION, else the fastest path qualified for this checkpoint on this machine (`Clef.plan`
+    says which, with which kernel, and why; `clef-flash info`). A bundle (`clef-flash convert`) is int8 and
+    memory-mapped; `verify` checks its files' sha256 first. A release loads in any precision (int8: quantized
+    while loading). `resident_layers` (low-memory mode): at most that many decoder layers hold weights at
+    once, each filled from the memory-mapped files just before it runs (slower: every forward reads every
+    layer). `segment_tokens`: the most tokens of a record one decoder step runs (prefill.py).
+    `state_cache_mb`: the bound of the state cache (state_cache.py); None: an eighth of this machine's
+    memory, at most 4 GiB; 0: off (records of one call still share their states).
+    A Core ML export runs as exported (no `precision`); `coreml_runner`: "coreml" (the default; macOS only)
+    or "torch" (its traced fp32 twins, rebuilt from the source it was exported from).
+    """
+    from .engine.coreml_backend import CoreMLBackend
+    from .engine.torch_backend import TorchBackend
+
+    checkpoint = open_checkpoint(source, revision=revision, verify=verify)
+    plan = plan_of(checkpoint, device=device, precision=precision, coreml_runner=coreml_runner)
+    if plan.backend == COREML:
+        backend = CoreMLBackend(checkpoint, runner=coreml_runner or "coreml", verify=verify)
+    else:
+        backend = TorchBackend(checkpoint, plan, resident_layers=resident_layers, segment_tokens=segment_tokens)
+    cache_mb = default_state_cache_mb() if state_cache_mb is None else state_cache_mb
+    if cache_mb < 0:
+        raise ClefError(f"state_cache_mb must be 0 (off) or more, not {cache_mb}")
+    identity = "|".join(map(str, (checkpoint.source, checkpoint.fingerprint, checkpoint.weights_fingerprint, backend.plan.key)))
+    engine = Engine(backend, StateCache(int(cache_mb * MEBIBYTE), identity), batch_tokens=batch_tokens, keep_from_tokens=KEEP_FROM_TOKENS)
+    return Clef(checkpoint, engine, max_length=max_length)

@@ -1,0 +1,48 @@
+"""The plan: resolved once, read everywhere; the state cache's key is the whole plan (issue 24)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import clef_flash
+from clef_flash import machine, plan
+from clef_flash.checkpoint import open_checkpoint
+from clef_flash.loader import plan_of
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def test_two_engines_whose_plans_differ_only_in_the_kernel_never_share_a_cache_entry(tiny_dir, monkeypatch):
+    measured = machine.rates()
+    if len(measured.kernels) < 2:
+        # One exact kernel here: make a second plan that differs from the first in its kernel only.
+        other = "int_mm" if measured.int8_kernel != "int_mm" else "fbgemm"
+        measured = dataclasses.replace(measured, kernels={**measured.kernels, other: 1.0})
+    first_kernel, second_kernel = list(measured.kernels)[:2]
+    models = []
+    for kernel in (first_kernel, second_kernel):
+        monkeypatch.setattr(plan, "machine_rates", lambda kernel=kernel: dataclasses.replace(measured, int8_kernel=kernel))
+        models.append(clef_flash.load(tiny_dir, device="cpu", precision="int8-w8a8", state_cache_mb=64))
+    a, b = models
+    assert a.precision == b.precision == "int8-w8a8" and (a.plan.kernel, b.plan.kernel) == (first_kernel, second_kernel)
+    assert dataclasses.replace(a.plan, kernel=None) == dataclasses.replace(b.plan, kernel=None)
+    request = {"state": "My card was charged twice. " * 120, "questions": {"refund": {"type": "noul"}}}  # kept: > 512 tokens
+    record = a.encode(request)
+    assert a.state_cache.key(record.input_ids) != b.state_cache.key(record.input_ids)
+    a.answer(request)
+    b.answer(request)
+    assert a.state_cache.stats.misses == b.state_cache.stats.misses == 1  # each computed its own
+
+
+def test_the_plan_is_what_load_builds_and_what_batch_records(tiny_dir):
+    checkpoint = open_checkpoint(tiny_dir)
+    resolved = plan_of(checkpoint, device="cpu", precision="int8-w8a8")
+    model = clef_flash.load(tiny_dir, device="cpu", precision="int8-w8a8")
+    assert model.plan == resolved and model.plan.kernel in machine.rates().kernels
+    linears = [m for m in model.parts.decoder.modules() if type(m).__name__ == "Int8Linear" and m.mode == "w8a8"]
+    assert linears and {linear.kernel for linear in linears} == {resolved.kernel}
+    described = model.describe()["plan"]
+    assert described["kernel"] == resolved.kernel and described["precision"] == "int8-w8a8" and described["reason"]
+    assert plan_of(checkpoint, device="cpu", precision="fp32").kernel is None
