@@ -249,7 +249,7 @@ def test_json_or_no_content_type_is_accepted(client, content_type):
 def test_openapi_publishes_the_request_and_response_schemas(client):
     spec = client.get("/openapi.json").json()
     schemas = spec["components"]["schemas"]
-    for path in ("/v1/systemone", "/client/v4/accounts/{account}/ai/run/{model_path}"):
+    for path in ("/v1/systemone", "/client/v4/accounts/{account}/ai/run/@cf/cloudflare/clef-flash"):
         operation = spec["paths"][path]["post"]
         body = operation["requestBody"]["content"]["application/json"]["schema"]
         assert body == {"$ref": "#/components/schemas/SystemOneRequest"}
