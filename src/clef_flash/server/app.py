@@ -35,9 +35,9 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Annotated, Any, NamedTuple
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Path, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import MutableHeaders
@@ -447,7 +447,7 @@ class SystemOneServer:
     async def systemone(self, request: Request) -> Response:
         return systemone_response(await self.run_route(request), request.state.request_id)
 
-    async def workers_ai(self, request: Request, account: str) -> Response:
+    async def workers_ai(self, request: Request, account: Annotated[str, Path(pattern=schemas.PATH_SEGMENT)]) -> Response:
         return workers_ai_response(await self.run_route(request), request.state.request_id)
 
     async def other_model(self, account: str, model_path: str) -> Response:

@@ -14,10 +14,13 @@ from typing import Any, Literal
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, Field
+from starlette.convertors import CONVERTOR_TYPES
 
 from ..request.protocol import SystemOneRequest, SystemOneResponse
 
 COMPONENTS = "#/components/schemas/{model}"
+PATH_SEGMENT = f"^{CONVERTOR_TYPES['str'].regex}$"
+"""What a path parameter (`{account}`) matches, decoded: the router's own rule, published as its pattern."""
 
 
 class ValidationErrorItem(BaseModel):
@@ -107,7 +110,7 @@ _REQUEST_BODY = {
     }
 }
 _NOT_FOUND = {
-    404: {"model": ErrorBody, "description": "No such route: the account is empty or holds a '/' once decoded"}
+    404: {"model": ErrorBody, "description": "No such route: the account is empty or holds a '/' (%2F) once decoded"}
 }
 
 SYSTEMONE: dict[str, Any] = {
