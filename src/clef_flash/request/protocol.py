@@ -33,9 +33,12 @@ Choices where the public sources disagree (`/work/shared/systemone.md` §7), and
   pydantic's types (`too_short`, `too_long`), except over 64 questions: `too_many_questions`, so a
   client can tell that it should split the request.
 
-For FastAPI: the models give the OpenAPI schema (`SystemOneRequest`, `SystemOneResponse`), but a
-route that lets FastAPI validate the body itself reports pydantic's raw locations; read the body
-and call `parse_request_json` (or `parse_request`) to answer with these errors instead.
+For FastAPI: the models give the OpenAPI schema (`SystemOneRequest`, `SystemOneResponse`), and every
+limit JSON Schema can state is published by the same annotation that enforces it, so a body the schema
+allows is refused only for what it cannot state (tokens, lone surrogates). A server that serves
+named models validates with `served_request(names)`, whose `model` is an enum of them. A route that
+lets FastAPI validate the body itself reports pydantic's raw locations; read the body and call
+`parse_request_json` (or `parse_request`) to answer with these errors instead.
 """
 
 from __future__ import annotations
