@@ -23,6 +23,7 @@ from clef_flash.request.protocol import (
     SystemOneResponse,
     parse_request,
     parse_request_json,
+    served_request,
 )
 from clef_flash.request.answers import shape_answer, shape_response
 
@@ -593,3 +594,57 @@ def test_models_serve_as_fastapi_body_and_response():
     assert {"SystemOneRequest", "SystemOneResponse", "ChoiceQuestion", "ScoreAnswer"} <= set(schemas)
     questions = schemas["SystemOneRequest"]["properties"]["questions"]
     assert (questions["minProperties"], questions["maxProperties"]) == (1, MAX_QUESTIONS)
+
+
+# -- the published schema is the validation (issue 30) -------------------------------------------
+
+
+def test_every_published_bound_is_the_enforced_one():
+    """Each min/max the JSON schema states: a body at it is accepted, one past it refused."""
+    schema = SystemOneRequest.model_json_schema()
+    questions = schema["properties"]["questions"]
+    ids = questions["propertyNames"]
+    choice = schema["$defs"]["ChoiceQuestion"]["properties"]["criteria"]
+    score = schema["$defs"]["ScoreQuestion"]["properties"]["criteria"]
+    bounded = {
+        "questions": (lambda n: body({f"q{i}": NOUL for i in range(n)}), questions["minProperties"], questions["maxProperties"]),
+        "question id": (lambda n: body({"x" * n: NOUL}), ids["minLength"], ids["maxLength"]),
+        "options": (lambda n: question(type="choice", criteria=options(n)), choice["minProperties"], choice["maxProperties"]),
+        "option label": (
+            lambda n: question(type="choice", criteria={"x" * n: None, "other": None}),
+            choice["propertyNames"]["minLength"],
+            None,
+        ),
+        "levels": (lambda n: question(type="score", criteria=["level"] * n), score["minItems"], score["maxItems"]),
+    }
+    for what, (make, low, high) in bounded.items():
+        for accepted in (low, high) if high is not None else (low,):
+            parse_request(make(accepted))
+        for refused in (low - 1, high + 1) if high is not None else (low - 1,):
+            assert errors_of(make(refused)), (what, refused)
+
+
+@pytest.mark.parametrize("field", ["images", "videos", "assets"])
+def test_media_fields_are_published_as_empty_only(field):
+    published = SystemOneRequest.model_json_schema()["properties"][field]["anyOf"]
+    assert published == [{"type": "null"}, {"type": "array", "maxItems": 0}, {"type": "object", "maxProperties": 0}]
+    for empty in (None, [], {}):
+        parse_request(body(**{field: empty}))
+    for media in ([{"url": "x"}], {"a": 1}, 0, ""):
+        assert errors_of(body(**{field: media}))[0]["loc"] == ["body", field]
+
+
+def test_a_served_request_publishes_and_enforces_its_model_names():
+    request_type = served_request(("clef-flash", "clef"))
+    published = request_type.model_json_schema()["properties"]["model"]["anyOf"]
+    assert published == [{"type": "string", "enum": ["clef-flash", "clef", ""]}, {"type": "null"}]
+    for name in ("clef-flash", "clef", ""):
+        assert parse_request(body(model=name), request_type).model == name
+    assert parse_request(body(), request_type).model is None
+    with pytest.raises(RequestInvalid) as caught:
+        parse_request(body(model="jev-latest"), request_type)
+    (item,) = caught.value.errors
+    assert item["type"] == "model_not_served" and item["loc"] == ["body", "model"] and item["input"] == "jev-latest"
+    assert item["msg"] == "this server serves 'clef-flash'; 'model' must be one of 'clef-flash', 'clef' or left out; got 'jev-latest'"
+    assert item["ctx"] == {"served": ["clef-flash", "clef"]}
+    assert parse_request(body(model="jev-latest")).model == "jev-latest"  # the protocol alone takes any name

@@ -249,7 +249,7 @@ def test_json_or_no_content_type_is_accepted(client, content_type):
 def test_openapi_publishes_the_request_and_response_schemas(client):
     spec = client.get("/openapi.json").json()
     schemas = spec["components"]["schemas"]
-    for path in ("/v1/systemone", "/client/v4/accounts/{account}/ai/run/{model_path}"):
+    for path in ("/v1/systemone", "/client/v4/accounts/{account}/ai/run/@cf/cloudflare/clef-flash"):
         operation = spec["paths"][path]["post"]
         body = operation["requestBody"]["content"]["application/json"]["schema"]
         assert body == {"$ref": "#/components/schemas/SystemOneRequest"}
@@ -262,6 +262,26 @@ def test_openapi_publishes_the_request_and_response_schemas(client):
     refs = json.dumps(spec)
     for name in {part.split('"')[0] for part in refs.split("#/components/schemas/")[1:]}:
         assert name in schemas, name  # every reference resolves
+
+
+def test_openapi_states_the_served_rules_and_every_status(client, model):
+    spec = client.get("/openapi.json").json()
+    assert not [path for path in spec["paths"] if "model_path" in path]  # the one model is in the path
+    model_names = spec["components"]["schemas"]["SystemOneRequest"]["properties"]["model"]["anyOf"][0]
+    assert model_names["enum"] == [model.model_name, "@cf/cloudflare/clef-flash", "clef", ""]
+    run = spec["paths"]["/client/v4/accounts/{account}/ai/run/@cf/cloudflare/clef-flash"]["post"]
+    (account,) = run["parameters"]
+    assert account["schema"]["pattern"] == "^[^/]+$"
+    assert client.post("/client/v4/accounts/a%2Fb/ai/run/@cf/cloudflare/clef-flash", json=ticket()).status_code == 404
+    assert {"400", "401", "404", "413", "415", "422", "429", "500", "503", "529"} <= set(run["responses"])
+    for operation in (run, spec["paths"]["/v1/systemone"]["post"]):
+        description = operation["description"]
+        assert f"{model.max_length:,} tokens" in description and "record_too_long" in description
+        assert "1,048,576 bytes" in description and "413" in description
+    health = spec["paths"]["/health"]["get"]["responses"]
+    assert health["503"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/HealthBody"}
+    metrics = spec["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    assert {"text/plain", "application/openmetrics-text"} <= set(metrics)
 
 
 # -- 7. the watchdog, deadlines on waits, short batches -----------------------------------------------

@@ -33,9 +33,12 @@ Choices where the public sources disagree (`/work/shared/systemone.md` §7), and
   pydantic's types (`too_short`, `too_long`), except over 64 questions: `too_many_questions`, so a
   client can tell that it should split the request.
 
-For FastAPI: the models give the OpenAPI schema (`SystemOneRequest`, `SystemOneResponse`), but a
-route that lets FastAPI validate the body itself reports pydantic's raw locations; read the body
-and call `parse_request_json` (or `parse_request`) to answer with these errors instead.
+For FastAPI: the models give the OpenAPI schema (`SystemOneRequest`, `SystemOneResponse`), and every
+limit JSON Schema can state is published by the same annotation that enforces it, so a body the schema
+allows is refused only for what it cannot state (tokens, lone surrogates). A server that serves
+named models validates with `served_request(names)`, whose `model` is an enum of them. A route that
+lets FastAPI validate the body itself reports pydantic's raw locations; read the body and call
+`parse_request_json` (or `parse_request`) to answer with these errors instead.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ import json
 import math
 import sys
 from collections.abc import Mapping, Sequence
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_origin
 
 from pydantic import (
     AfterValidator,
@@ -55,6 +58,7 @@ from pydantic import (
     PlainValidator,
     ValidationError,
     WithJsonSchema,
+    create_model,
 )
 from pydantic_core import PydanticCustomError
 
@@ -68,6 +72,7 @@ __all__ = [
     "MAX_SCORE_LEVELS",
     "MIN_CHOICE_OPTIONS",
     "MIN_ID_LENGTH",
+    "MIN_LABEL_LENGTH",
     "MIN_QUESTIONS",
     "MIN_SCORE_LEVELS",
     "QUESTION_TYPES",
@@ -83,6 +88,7 @@ __all__ = [
     "Usage",
     "parse_request",
     "parse_request_json",
+    "served_request",
 ]
 
 # Limits of the hosted clef-flash (SPEC §6).
@@ -90,6 +96,7 @@ MIN_QUESTIONS = 1
 MAX_QUESTIONS = 64
 MIN_ID_LENGTH = 1
 MAX_ID_LENGTH = 100
+MIN_LABEL_LENGTH = 1
 MIN_CHOICE_OPTIONS = 2
 MAX_CHOICE_OPTIONS = 255
 MIN_SCORE_LEVELS = 2
@@ -228,14 +235,19 @@ def _media_validator(field: str, error_type: str, noun: str) -> Any:
             return None
         raise PydanticCustomError(error_type, f"{noun} are not supported by this text-only runtime")
 
-    schema = {"description": f"Not supported by this text-only runtime: leave out, null or empty ({field})."}
+    schema = {
+        "anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}, {"type": "object", "maxProperties": 0}],
+        "description": f"Not supported by this text-only runtime: leave out, null or empty ({field}).",
+    }
     return Annotated[Any, PlainValidator(validate), WithJsonSchema(schema)]
 
 
 # --------------------------------------------------------------------------------------------
-# Ids, labels and counts. Counts are checked *before* the items are validated, so that a body
-# with 10,000 options costs one error, not 10,000 item validations, and the count error comes first.
-# (The schema's min/max counts are documentation only; these validators enforce them.)
+# Ids, labels and counts. Each limit is written once, in the call that both enforces it and
+# publishes it in the JSON schema (`minLength`, `propertyNames`, `minProperties`, ...), so the
+# OpenAPI document cannot drift from the validation. Counts are checked *before* the items are
+# validated, so that a body with 10,000 options costs one error, not 10,000 item validations, and
+# the count error comes first.
 
 
 def _check_question_id(question_id: str) -> str:
@@ -252,20 +264,23 @@ def _check_question_id(question_id: str) -> str:
 
 def _check_label(label: str) -> str:
     _check_text(label)
-    if not label:
-        raise PydanticCustomError("string_too_short", "an option label must not be empty", {"min_length": 1})
+    if len(label) < MIN_LABEL_LENGTH:
+        raise PydanticCustomError("string_too_short", "an option label must not be empty", {"min_length": MIN_LABEL_LENGTH})
     return label
 
 
-def _count_validator(
-    shape: str, what: str, needs: str, unit: str, low: int, high: int, *, too_many: str = "too_long"
-) -> BeforeValidator:
-    """Checks the container's JSON type (``shape``: "object" or "array") and its size.
+def _counted(
+    container: Any, what: str, needs: str, unit: str, low: int, high: int, *, too_many: str = "too_long"
+) -> Any:
+    """``container`` (a dict or list type) whose JSON type and size are checked before its items,
+    and whose JSON schema states the same bounds (`minProperties` / `minItems` and the maxima).
 
     Messages read "{what}; got array" and "{needs} 2 to 255 {unit}; got 1".
     """
-    kinds: tuple[type, ...] = (Mapping,) if shape == "object" else (list, tuple)
-    wrong_type = "dict_type" if shape == "object" else "list_type"
+    is_object = get_origin(container) is dict
+    kinds: tuple[type, ...] = (Mapping,) if is_object else (list, tuple)
+    wrong_type = "dict_type" if is_object else "list_type"
+    bounds = {"minProperties": low, "maxProperties": high} if is_object else {"minItems": low, "maxItems": high}
 
     def validate(value: Any) -> Any:
         if not isinstance(value, kinds):
@@ -279,11 +294,15 @@ def _count_validator(
             )
         return value
 
-    return BeforeValidator(validate)
+    return Annotated[container, BeforeValidator(validate), Field(json_schema_extra=bounds)]
 
 
-QuestionId = Annotated[str, AfterValidator(_check_question_id)]
-OptionLabel = Annotated[str, AfterValidator(_check_label)]
+QuestionId = Annotated[
+    str,
+    AfterValidator(_check_question_id),
+    WithJsonSchema({"type": "string", "minLength": MIN_ID_LENGTH, "maxLength": MAX_ID_LENGTH}),
+]
+OptionLabel = Annotated[str, AfterValidator(_check_label), WithJsonSchema({"type": "string", "minLength": MIN_LABEL_LENGTH})]
 
 
 # --------------------------------------------------------------------------------------------
@@ -330,36 +349,28 @@ class ChoiceQuestion(_Question):
     """One label out of 2 to 255; the labels keep the request's order in the answer."""
 
     type: Literal["choice"]
-    criteria: Annotated[
+    criteria: _counted(
         dict[OptionLabel, Description | None],
-        _count_validator(
-            "object",
-            "choice criteria must be an object mapping each option label to its description",
-            "a choice question needs",
-            "options",
-            MIN_CHOICE_OPTIONS,
-            MAX_CHOICE_OPTIONS,
-        ),
-        Field(json_schema_extra={"minProperties": MIN_CHOICE_OPTIONS, "maxProperties": MAX_CHOICE_OPTIONS}),
-    ]
+        "choice criteria must be an object mapping each option label to its description",
+        "a choice question needs",
+        "options",
+        MIN_CHOICE_OPTIONS,
+        MAX_CHOICE_OPTIONS,
+    )
 
 
 class ScoreQuestion(_Question):
     """An ordered rubric of 2 to 10 levels, lowest first; level k is option "k"."""
 
     type: Literal["score"]
-    criteria: Annotated[
+    criteria: _counted(
         list[Level],
-        _count_validator(
-            "array",
-            "score criteria must be an array of level descriptions, lowest first",
-            "a score question needs",
-            "levels",
-            MIN_SCORE_LEVELS,
-            MAX_SCORE_LEVELS,
-        ),
-        Field(json_schema_extra={"minItems": MIN_SCORE_LEVELS, "maxItems": MAX_SCORE_LEVELS}),
-    ]
+        "score criteria must be an array of level descriptions, lowest first",
+        "a score question needs",
+        "levels",
+        MIN_SCORE_LEVELS,
+        MAX_SCORE_LEVELS,
+    )
 
 
 Question = Annotated[NoulQuestion | ChoiceQuestion | ScoreQuestion, Field(discriminator="type")]
@@ -374,19 +385,15 @@ class SystemOneRequest(BaseModel):
         default=None, description="Any model name; echoed in the response."
     )
     state: State = Field(description="The content every question is about.")
-    questions: Annotated[
+    questions: _counted(
         dict[QuestionId, Question],
-        _count_validator(
-            "object",
-            "'questions' must be an object mapping question ids to questions",
-            "a request needs",
-            "questions",
-            MIN_QUESTIONS,
-            MAX_QUESTIONS,
-            too_many="too_many_questions",  # its own type: clients split into requests of 64
-        ),
-        Field(json_schema_extra={"minProperties": MIN_QUESTIONS, "maxProperties": MAX_QUESTIONS}),
-    ] = Field(description="Questions keyed by caller-chosen ids; answers come back in this order.")
+        "'questions' must be an object mapping question ids to questions",
+        "a request needs",
+        "questions",
+        MIN_QUESTIONS,
+        MAX_QUESTIONS,
+        too_many="too_many_questions",  # its own type: clients split into requests of 64
+    ) = Field(description="Questions keyed by caller-chosen ids; answers come back in this order.")
     images: _media_validator("images", "images_unsupported", "images") = None
     videos: _media_validator("videos", "videos_unsupported", "videos") = None
     assets: _media_validator("assets", "images_unsupported", "image assets") = None
@@ -412,6 +419,26 @@ class SystemOneRequest(BaseModel):
                 "criteria": criteria,
             }
         return {"state": self.state, "questions": questions}
+
+
+def served_request(names: Sequence[str]) -> type[SystemOneRequest]:
+    """`SystemOneRequest` for a server that serves the model under `names` (the first is its own):
+    `model` must be one of them, `""` or left out, else `model_not_served`; its schema's `enum` says so."""
+    accepted = (*names, "")
+    message = f"this server serves {names[0]!r}; 'model' must be one of {', '.join(map(repr, names))} or left out"
+
+    def check(name: str) -> str:
+        if name not in accepted:
+            raise PydanticCustomError("model_not_served", message, {"served": list(names)})
+        return name
+
+    served_name = Annotated[str, AfterValidator(check), WithJsonSchema({"type": "string", "enum": list(accepted)})]
+    return create_model(
+        "SystemOneRequest",
+        __base__=SystemOneRequest,
+        __doc__=SystemOneRequest.__doc__,
+        model=(served_name | None, Field(default=None, description="The served model, or none; echoed in the response.")),
+    )
 
 
 class NoulAnswer(BaseModel):
@@ -454,20 +481,21 @@ class SystemOneResponse(BaseModel):
 # Parsing and error translation.
 
 
-def parse_request(body: Any) -> SystemOneRequest:
-    """Validate a decoded JSON body (any Python value) into a `SystemOneRequest`.
+def parse_request(body: Any, request_type: type[SystemOneRequest] = SystemOneRequest) -> SystemOneRequest:
+    """Validate a decoded JSON body (any Python value) into a `SystemOneRequest` (or the
+    `request_type` a server validates with: `served_request`).
 
     Raises `RequestInvalid` with one FastAPI-style item per problem; never anything else.
     """
-    if isinstance(body, SystemOneRequest):
+    if isinstance(body, request_type):
         return body
     try:
-        return SystemOneRequest.model_validate(body)
+        return request_type.model_validate(body)
     except ValidationError as error:
         raise RequestInvalid([_translate(item) for item in error.errors(include_url=False)]) from None
 
 
-def parse_request_json(raw: bytes | str) -> SystemOneRequest:
+def parse_request_json(raw: bytes | str, request_type: type[SystemOneRequest] = SystemOneRequest) -> SystemOneRequest:
     """Decode and validate a raw body. An undecodable one gives FastAPI's `json_invalid` item
     (`loc` `["body", position]`); an empty one `missing` at `["body"]`, as FastAPI reports it.
 
@@ -501,7 +529,7 @@ def parse_request_json(raw: bytes | str) -> SystemOneRequest:
         raise RequestInvalid([_json_invalid(0, message, f"{error.args[0]} is not JSON")]) from None
     except ValueError:  # an integer past Python's digit limit (sys.get_int_max_str_digits)
         raise RequestInvalid([_integer_too_long(raw)]) from None
-    return parse_request(body)
+    return parse_request(body, request_type)
 
 
 class _LongInteger(str):
@@ -608,6 +636,8 @@ def _translate(error: Mapping[str, Any]) -> dict[str, Any]:
                 f"unknown field '{_short(loc[2])}' in a {question_type} question; "
                 "a question has only 'type', 'instructions' and 'criteria'"
             )
+    elif error_type == "model_not_served":
+        message = f"{message}; got {value[:100]!r}"
     elif error_type == "string_unicode":
         message = "text must be valid Unicode; found a lone surrogate"
     elif error_type == "string_type":

@@ -3,11 +3,13 @@
     POST /v1/systemone                                            System One body -> answers
     POST /client/v4/accounts/{account}/ai/run/@cf/cloudflare/clef-flash   the same, in Cloudflare's
     POST /accounts/{account}/ai/run/@cf/cloudflare/clef-flash             {result, success, errors, messages}
+                        (any other model after ai/run/: 400, Cloudflare's 7000 "no route")
     GET  /v1/models     {"models": [{name, description, release_date}]} (TypeSafe's shape)
     GET  /health        503 until the warm-up request has run, then 200 {"status": "ready", ...};
                         503 again if the model worker dies or a forward runs past the request deadline
     GET  /metrics       Prometheus text (prometheus_client)
     GET  /              the support-ticket triage demo
+    GET  /openapi.json  every route above but the bare Workers AI alias, its statuses and bodies (schemas.py)
 
 A request goes: API key -> Content-Type (JSON or none, else 415) -> body (size limits, zstd/gzip,
 the parse budget: body.py) -> `parse_request_json` -> model name -> `Clef.encode` (over-length
@@ -33,9 +35,9 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Annotated, Any, NamedTuple
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Path, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import MutableHeaders
@@ -44,7 +46,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from .. import __version__
 from ..clef import Prepared
 from ..errors import InferenceError, RequestInvalid
-from ..request.protocol import parse_request_json
+from ..request.protocol import parse_request_json, served_request
 from . import schemas
 from .batcher import Batcher, Job, QueueFull, WorkerUnavailable
 from .body import ApiError, ClientGone, ParseBudget, check_content_type, read_body
@@ -246,6 +248,7 @@ class SystemOneServer:
         self.parse_budget = ParseBudget(settings.max_parsing_bytes, settings.max_parsing, settings.retry_after_s)
         self.batcher = make_batcher(model, self.metrics, settings)
         self.served_names = tuple(dict.fromkeys((model.model_name, *MODEL_ALIASES)))
+        self.request_type = served_request(self.served_names)  # validates bodies; /openapi.json publishes it
         self.status = "starting"  # -> warming_up -> ready -> shutting_down, or failed (warm_up_error says why)
         self.warm_up_error: str | None = None
         self.worker_join_s = 5.0  # how long stopping waits for a forward in progress
@@ -254,15 +257,19 @@ class SystemOneServer:
         self.app = self.build_app()
 
     def routes(self) -> list[Route]:
-        workers_ai = "/accounts/{account}/ai/run/{model_path:path}"
+        run = "/accounts/{account}/ai/run/"
         cloudflare = f"Workers AI: run {WORKERS_AI_MODEL}"
+        rules = {"description": schemas.request_rules(self.settings.max_body_bytes, self.model.max_length)}
         return [
-            Route("/v1/systemone", "POST", self.systemone, "Answer a System One request", openapi=schemas.SYSTEMONE),
-            Route("/client/v4" + workers_ai, "POST", self.workers_ai, cloudflare, openapi=schemas.WORKERS_AI),
-            Route(workers_ai, "POST", self.workers_ai, cloudflare, in_schema=False),
+            Route("/v1/systemone", "POST", self.systemone, "Answer a System One request", openapi={**schemas.SYSTEMONE, **rules}),
+            Route("/client/v4" + run + WORKERS_AI_MODEL, "POST", self.workers_ai, cloudflare, openapi={**schemas.WORKERS_AI, **rules}),
+            Route(run + WORKERS_AI_MODEL, "POST", self.workers_ai, cloudflare, in_schema=False),
+            # Any other model: Cloudflare's "no route" (400 / 7000); not an operation of this API.
+            Route("/client/v4" + run + "{model_path:path}", "POST", self.other_model, cloudflare, in_schema=False),
+            Route(run + "{model_path:path}", "POST", self.other_model, cloudflare, in_schema=False),
             Route("/v1/models", "GET", self.list_models, "The served model and its aliases", openapi=schemas.MODELS),
-            Route("/health", "GET", self.health, "Readiness, model identity and fingerprints"),
-            Route("/metrics", "GET", self.prometheus, "Prometheus metrics", PlainTextResponse),
+            Route("/health", "GET", self.health, "Readiness, model identity and fingerprints", openapi=schemas.HEALTH),
+            Route("/metrics", "GET", self.prometheus, "Prometheus metrics", PlainTextResponse, openapi=schemas.METRICS),
             Route("/", "GET", self.demo, "The support-ticket triage demo", HTMLResponse),
         ]
 
@@ -287,7 +294,7 @@ class SystemOneServer:
                 include_in_schema=route.in_schema,
                 **(route.openapi or {}),
             )
-        schemas.publish_models(app)
+        schemas.publish_models(app, self.request_type)
         return app
 
     def describe(self) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -378,21 +385,7 @@ class SystemOneServer:
 
     def prepare(self, raw: bytes) -> Prepared:
         """Parse, check the model name and encode; raises RequestInvalid (422)."""
-        parsed = parse_request_json(raw)
-        if parsed.model and parsed.model not in self.served_names:
-            names = ", ".join(repr(name) for name in self.served_names)
-            raise RequestInvalid(
-                [
-                    {
-                        "type": "model_not_served",
-                        "loc": ["body", "model"],
-                        "msg": f"this server serves {self.model.model_name!r}; 'model' must be one of {names} "
-                        f"or left out; got {parsed.model[:100]!r}",
-                        "input": parsed.model,
-                        "ctx": {"served": list(self.served_names)},
-                    }
-                ]
-            )
+        parsed = parse_request_json(raw, self.request_type)  # `model`: one of the served names
         return self.model.prepare(parsed)  # RecordTooLong: token count and limit, before inference
 
     async def wait_for(self, job: Job, request: Request) -> list[Any]:
@@ -455,11 +448,12 @@ class SystemOneServer:
     async def systemone(self, request: Request) -> Response:
         return systemone_response(await self.run_route(request), request.state.request_id)
 
-    async def workers_ai(self, request: Request, account: str, model_path: str) -> Response:
-        if model_path != WORKERS_AI_MODEL:
-            status, body = _cf_failure(400, 7000, f"No route for that URI: this server runs {WORKERS_AI_MODEL}")
-            return JSONResponse(body, status)
+    async def workers_ai(self, request: Request, account: Annotated[str, Path(pattern=schemas.PATH_SEGMENT)]) -> Response:
         return workers_ai_response(await self.run_route(request), request.state.request_id)
+
+    async def other_model(self, account: str, model_path: str) -> Response:
+        status, body = _cf_failure(400, 7000, f"No route for that URI: this server runs {WORKERS_AI_MODEL}")
+        return JSONResponse(body, status)
 
     async def list_models(self, request: Request) -> Response:
         try:

@@ -8,15 +8,19 @@ fuzzers. Each route's entry is keyword arguments of `add_api_route` (see `Route.
 
 from __future__ import annotations
 
-from typing import Any
+import sys
+from typing import Any, Literal
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, Field
+from starlette.convertors import CONVERTOR_TYPES
 
 from ..request.protocol import SystemOneRequest, SystemOneResponse
 
 COMPONENTS = "#/components/schemas/{model}"
+PATH_SEGMENT = f"^{CONVERTOR_TYPES['str'].regex}$"
+"""What a path parameter (`{account}`) matches, decoded: the router's own rule, published as its pattern."""
 
 
 class ValidationErrorItem(BaseModel):
@@ -63,6 +67,29 @@ class ModelsBody(BaseModel):
     models: list[ModelEntry]
 
 
+class Fingerprint(BaseModel):
+    config: str
+    weights: str | None
+
+
+class HealthBody(BaseModel):
+    """The server's readiness and the served model's identity."""
+
+    status: Literal["starting", "warming_up", "ready", "shutting_down", "failed", "stalled"]
+    model: str
+    source: str
+    fingerprint: Fingerprint
+    precision: str
+    precision_reason: str
+    device: str
+    random_weights: bool
+    max_length: int
+    api_key_required: bool
+    version: str
+    queue_depth: int
+    error: str | None = Field(default=None, description="Why the server is not ready, when it is not")
+
+
 def _errors(model: type[BaseModel], statuses: dict[int, str]) -> dict[int | str, dict[str, Any]]:
     return {status: {"model": model, "description": description} for status, description in statuses.items()}
 
@@ -82,6 +109,9 @@ _REQUEST_BODY = {
         "content": {"application/json": {"schema": {"$ref": COMPONENTS.format(model="SystemOneRequest")}}},
     }
 }
+_NOT_FOUND = {
+    404: {"model": ErrorBody, "description": "No such route: the account is empty or holds a '/' (%2F) once decoded"}
+}
 
 SYSTEMONE: dict[str, Any] = {
     "responses": {
@@ -94,22 +124,73 @@ SYSTEMONE: dict[str, Any] = {
 WORKERS_AI: dict[str, Any] = {
     "responses": {
         200: {"model": WorkersAIEnvelope, "description": "The answer in `result`"},
-        **_errors(WorkersAIEnvelope, {**_ERROR_STATUSES, 422: "Invalid request (5012)", 529: "Inference failed (5012)"}),
+        **_errors(
+            WorkersAIEnvelope,
+            {
+                **_ERROR_STATUSES,
+                400: f"{_ERROR_STATUSES[400]} (6003); the body not JSON (6003); no questions, or an unknown "
+                "question type (5006)",
+                422: "Invalid request (5012)",
+                529: "Inference failed (5012)",
+            },
+        ),
+        **_NOT_FOUND,
     },
     "openapi_extra": _REQUEST_BODY,
 }
-MODELS: dict[str, Any] = {"responses": {200: {"model": ModelsBody, "description": "The served name and its aliases"}, 401: {"model": ErrorBody, "description": _ERROR_STATUSES[401]}}}
+MODELS: dict[str, Any] = {
+    "responses": {
+        200: {"model": ModelsBody, "description": "The served name and its aliases"},
+        401: {"model": ErrorBody, "description": _ERROR_STATUSES[401]},
+    }
+}
+HEALTH: dict[str, Any] = {
+    "responses": {
+        200: {"model": HealthBody, "description": "Ready"},
+        503: {"model": HealthBody, "description": "Not ready: starting, warming up, shutting down, failed or stalled"},
+    }
+}
+METRICS: dict[str, Any] = {
+    "responses": {
+        200: {
+            "description": "The Prometheus text format, or OpenMetrics when the Accept header asks for it",
+            "content": {"text/plain": {"schema": {"type": "string"}}, "application/openmetrics-text": {"schema": {"type": "string"}}},
+        }
+    }
+}
 
 
-def publish_models(app: FastAPI) -> None:
-    """Make `app.openapi()` carry `SystemOneRequest` (and its parts) in its components."""
+def request_rules(max_body_bytes: int, max_length: int) -> str:
+    """The rules a System One body must follow that its JSON schema cannot state, with their statuses
+    (a route's description in the OpenAPI document)."""
+    return f"""\
+The body's JSON schema (`SystemOneRequest`) states its shape, counts, lengths and the served model names.
+Beyond it:
+
+- **Tokens**: the rendered record (prompt, state and every question) must fit {max_length:,} tokens;
+  longer ones are refused before inference with 422 `record_too_long` (never truncated).
+- **Size**: at most {max_body_bytes:,} bytes on the wire and again after `Content-Encoding` (zstd, gzip): 413.
+- **Content-Type**: `application/json` (or `+json`) or none; anything else 415.
+- **Text**: every string must be valid Unicode (a `\\ud800`-style lone surrogate escape: 422
+  `string_unicode`); integers have at most {sys.get_int_max_str_digits():,} digits (422 `integer_too_long`);
+  NaN and Infinity are not JSON (422 `json_invalid`).
+- **Ids and labels** are taken as sent, without normalisation: ids that differ only in case or Unicode
+  form are different questions. A key repeated within one JSON object keeps its last value, as JSON
+  parsers do.
+- **Load**: a full queue, or too many bodies being parsed at once, gets 429 with `Retry-After`.
+"""
+
+
+def publish_models(app: FastAPI, request_type: type[BaseModel] = SystemOneRequest) -> None:
+    """Make `app.openapi()` carry the request body's schema (and its parts) in its components:
+    `request_type`, the model the routes validate with (its `model` lists the served names)."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(
                 title=app.title, version=app.version, description=app.description, routes=app.routes
             )
-            request_schema = SystemOneRequest.model_json_schema(ref_template=COMPONENTS)
+            request_schema = request_type.model_json_schema(ref_template=COMPONENTS)
             components = schema.setdefault("components", {}).setdefault("schemas", {})
             components.update(request_schema.pop("$defs", {}))
             components["SystemOneRequest"] = request_schema
