@@ -333,7 +333,7 @@ def command_mcp(args: argparse.Namespace) -> int:
     )
     model = load_model(args, max_length=args.max_length or DEFAULT_MAX_LENGTH)
     tools = ToolServer(model, settings)
-    meaning = " (random weights: the answers mean nothing)" if model.is_random else ""
+    meaning = ": the answers mean nothing" if model.is_random else ""
     sets = ", ".join(tools.sets.names()) or "none"
     if args.http is None:
         print(f"MCP over stdio: {model!r}{meaning}; saved sets: {sets}", file=sys.stderr)

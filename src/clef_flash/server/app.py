@@ -419,7 +419,8 @@ class SystemOneServer:
             question_set = self.sets.get(name)
         except QuestionSetError as error:
             raise ApiError(404, str(error), cf_code=7000) from None
-        return self.model.prepare(check_model_name(parse_request(question_set.request_from_body(decode_body(raw))), self.served_names))
+        parsed = parse_request(question_set.request_from_body(decode_body(raw)))
+        return self.model.prepare(check_model_name(parsed, self.served_names))
 
     async def wait_for(self, job: Job, request: Request) -> list[Any]:
         """The job's result; if the client goes first, or the deadline passes, the job leaves the queue."""

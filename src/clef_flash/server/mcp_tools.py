@@ -25,7 +25,7 @@ import contextlib
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -90,6 +90,13 @@ INSTRUCTIONS = (
 )
 
 
+def label_and_description(entry: Any) -> tuple[Any, Any]:
+    """A `labels` entry, `"billing"` or `{"label": "billing", "description": ...}`, as (label, description)."""
+    if isinstance(entry, dict):
+        return entry.get("label"), entry.get("description")
+    return (entry, None) if isinstance(entry, str) else (None, None)
+
+
 def classify_request(arguments: dict[str, Any]) -> tuple[dict[str, Any], dict[str, int]]:
     """classify's arguments -> (the request with its one choice question, each label's position)."""
     errors: list[dict[str, Any]] = []
@@ -101,9 +108,9 @@ def classify_request(arguments: dict[str, Any]) -> tuple[dict[str, Any], dict[st
         errors.append({"type": "list_type", "loc": ["body", "labels"], "msg": message, "input": labels})
         labels = []
     for index, entry in enumerate(labels):
-        label, description = (entry, None) if isinstance(entry, str) else (entry.get("label"), entry.get("description")) if isinstance(entry, dict) else (None, None)
+        label, description = label_and_description(entry)
         if not isinstance(label, str):
-            msg = "a label is a string or an object {\"label\": ..., \"description\"?: ...}"
+            msg = 'a label is a string or an object {"label": ..., "description"?: ...}'
             errors.append({"type": "label_type", "loc": ["body", "labels", index], "msg": msg, "input": entry})
         elif label in positions:
             msg = f"the label {label[:60]!r} is given twice (positions {positions[label]} and {index})"
@@ -236,11 +243,11 @@ class ToolServer:
 
     # -- one call, through the batcher ----------------------------------------------------------
 
-    def prepare(self, build_request: Any) -> Prepared:
+    def prepare(self, build_request: Callable[[], Any]) -> Prepared:
         """Build, validate and encode a call's request (in a worker thread: tokenizing takes a while)."""
         return self.model.prepare(check_model_name(parse_request(build_request()), self.served_names))
 
-    async def answer(self, build_request: Any) -> dict[str, Any]:
+    async def answer(self, build_request: Callable[[], Any]) -> dict[str, Any]:
         """The System One body for the request `build_request()` makes, queued with every other call."""
         prepared = await anyio.to_thread.run_sync(self.prepare, build_request)
         job = self.batcher.submit(prepared.record, f"mcp-{uuid.uuid4().hex[:12]}")
