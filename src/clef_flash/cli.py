@@ -4,6 +4,8 @@
     clef-flash answer --model SRC [REQUEST]   answer a System One request (file, stdin, or flags)
     clef-flash render [REQUEST]               show the rendered prompt, spans and token counts
     clef-flash serve --model SRC              a System One HTTP server, with a triage demo page at /; --ray: Ray Serve
+    clef-flash mcp --model SRC                the model as MCP tools for agents (decide, classify, one per set): stdio, or --http PORT
+    clef-flash sets add|list|rm               saved question sets: answer --set, POST /v1/sets/NAME, batch --set, MCP
     clef-flash batch IN OUT --model SRC       JSONL requests (or states + --schema) to JSONL answers; resumable;
                                               --ray: on a Ray cluster (Ray Data), the same output
     clef-flash eval agreement REQUESTS        --model A vs --against-model B: answers that differ, |dp|, near-ties
@@ -13,7 +15,8 @@
     clef-flash info                           this machine's features and probe, the default precision and why
 
 Environment defaults: CLEF_FLASH_MODEL (--model), CLEF_FLASH_DEVICE (--device),
-CLEF_FLASH_PRECISION (--precision; also what `load(precision=None)` runs), CLEF_FLASH_API_KEY (serve --api-key).
+CLEF_FLASH_PRECISION (--precision; also what `load(precision=None)` runs), CLEF_FLASH_API_KEY (serve and mcp --api-key),
+CLEF_FLASH_SETS_DIR (where the saved question sets are; default: sets/ in the user's config directory).
 """
 
 from __future__ import annotations
@@ -88,16 +91,22 @@ def read_stdin() -> str:
 
 
 def read_request(args: argparse.Namespace) -> Any:
-    """The request body from --state/--question flags, a file, or stdin."""
-    if args.state is not None or args.state_file is not None or args.question:
+    """The request body from --state/--question flags (or --set), a file, or stdin."""
+    if args.state is not None or args.state_file is not None or args.question or args.set:
         if args.request:
-            raise ClefError("give either a request file or --state/--question flags, not both")
+            raise ClefError("give either a request file or --state/--question/--set flags, not both")
+        if args.set and args.question:
+            raise ClefError(f"--set {args.set} brings its own questions: drop --question, or drop --set")
         if args.state_file is not None:
             state: Any = decode_utf8(Path(args.state_file).read_bytes(), args.state_file)
         elif args.state is not None:
             state = args.state
         else:
-            raise ClefError("--question needs a state: add --state TEXT or --state-file FILE")
+            raise ClefError(f"{'--set' if args.set else '--question'} needs a state: add --state TEXT or --state-file FILE")
+        if args.set:
+            from .sets import SetStore
+
+            return SetStore().get(args.set).request(state)
         if not args.question:
             raise ClefError("add at least one --question, e.g. --question 'urgent=noul:Is it urgent?'")
         questions = dict(parse_question_spec(spec) for spec in args.question)
@@ -309,6 +318,78 @@ def command_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def command_mcp(args: argparse.Namespace) -> int:
+    import anyio
+
+    from .request.records import DEFAULT_MAX_LENGTH
+    from .server.app import ServerSettings
+    from .server.mcp_tools import ToolServer, uvicorn_server
+
+    settings = ServerSettings(
+        api_key=args.api_key or None,
+        batch_tokens=args.batch_tokens,
+        batch_wait_ms=args.batch_wait_ms,
+        max_batch=args.max_batch,
+        max_queue=args.max_queue,
+        request_timeout_s=args.request_timeout,
+    )
+    model = load_model(args, max_length=args.max_length or DEFAULT_MAX_LENGTH)
+    tools = ToolServer(model, settings)
+    meaning = ": the answers mean nothing" if model.is_random else ""
+    sets = ", ".join(tools.sets.names()) or "none"
+    if args.http is None:
+        print(f"MCP over stdio: {model!r}{meaning}; saved sets: {sets}", file=sys.stderr)
+        anyio.run(tools.serve_stdio)
+        return 0
+    key = ", bearer key required" if settings.api_key else ""
+    print(f"MCP on http://{args.host}:{args.http}/mcp{key}: {model!r}{meaning}; saved sets: {sets}", file=sys.stderr)
+    uvicorn_server(tools.http_app(host=args.host), host=args.host, port=args.http, log_level=args.log_level).run()
+    return 0
+
+
+def command_sets_add(args: argparse.Namespace) -> int:
+    from .sets import SetStore
+
+    path = Path(args.schema)
+    if not path.is_file():
+        raise ClefError(f"no schema file at {path}")
+    try:
+        schema = json.loads(decode_utf8(path.read_bytes(), str(path)))
+    except ValueError as error:
+        raise ClefError(f"{path} is not JSON: {error}") from None
+    store = SetStore()
+    try:
+        saved = store.add(args.name, schema, replace=args.replace)
+    except RequestInvalid:
+        print(f"error: {path} is not saved as set {args.name!r}:", file=sys.stderr)
+        raise
+    print(f"saved {saved.name}: {saved.describe()} ({store.path(saved.name)})")
+    return 0
+
+
+def command_sets_list(args: argparse.Namespace) -> int:
+    from .sets import SetStore
+
+    store = SetStore()
+    saved = store.all()
+    if args.json:
+        print(json.dumps([question_set.to_file() for question_set in saved], ensure_ascii=False))
+        return 0
+    if not saved:
+        print(f"no saved question sets in {store.root}; add one with `clef-flash sets add NAME schema.json`", file=sys.stderr)
+    for question_set in saved:
+        print(f"{question_set.name}  {question_set.describe()}")
+    return 0
+
+
+def command_sets_rm(args: argparse.Namespace) -> int:
+    from .sets import SetStore
+
+    SetStore().remove(args.name)
+    print(f"removed {args.name}")
+    return 0
+
+
 def check_ray_flags(args: argparse.Namespace, *flags: str) -> None:
     """Flags that only mean something on Ray need --ray; --ray needs Ray installed (one line if not)."""
     if args.ray:
@@ -399,7 +480,8 @@ def command_batch(args: argparse.Namespace) -> int:
     if resolved != COREML_PRECISION.name:
         args.precision = resolved  # load what was recorded (a Core ML export runs as exported: no precision)
     made_with = {"source": args.model, "revision": args.revision, "precision": resolved, "max_length": args.max_length}
-    job = BatchJob.open(args.input, args.output, schema_path=args.schema, model=made_with, overwrite=args.overwrite)
+    schemas = [schema_file(item) for item in args.schema] if args.schema else None
+    job = BatchJob.open(args.input, args.output, schema_path=schemas, model=made_with, overwrite=args.overwrite)
     total = job.total()
     if job.done:
         print(f"resuming: {len(job.done)} of {total} lines are already in {args.output}", file=sys.stderr)
@@ -426,6 +508,22 @@ def command_batch(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+class SetName(str):
+    """A `batch --set NAME`, in the list of --schema files (the positions count both)."""
+
+
+def schema_file(item: str) -> str:
+    """A --schema file, or the file of a --set (checked first: a damaged set is refused by name).
+    A set's file is a schema file: its other keys (format, name, description) are not a request's."""
+    if not isinstance(item, SetName):
+        return item
+    from .sets import SetStore
+
+    store = SetStore()
+    store.get(item)
+    return str(store.path(item))
 
 
 def write_report(args: argparse.Namespace, report: dict[str, Any], markdown: str, figure: tuple[str, Callable[[], Any]]) -> None:
@@ -612,6 +710,7 @@ REQUEST_ARGUMENTS = (
         help="ID=TYPE:INSTRUCTIONS[:CRITERIA], repeatable: 'urgent=noul:Is it urgent?', "
         "'team=choice:Which team?:billing=Charges,engineering=Bugs', 'urgency=score:How urgent?:Low,Normal,High'",
     ),
+    arg("--set", metavar="NAME", help="ask a saved question set (clef-flash sets list) about --state, instead of --question"),
 )
 
 TRUNCATE_STATE = arg(
@@ -719,6 +818,23 @@ EVALUATIONS = (
         description='Each line is a System One request plus "expected": {question_id: label}: a choice label, '
         "true/false for noul, a level index or level text for score. Questions without a label are not scored.",
     ),
+)
+
+SETS = (
+    Command(
+        "add",
+        "check a schema file and save it as a named question set",
+        command_sets_add,
+        (
+            arg("name", help="1 to 64 letters, digits, - or _ (it names the MCP tool and the URL /v1/sets/NAME)"),
+            arg("schema", help='a JSON file {"questions": {...}, "model"?: ..., "description"?: "what the MCP tool says it does"}'),
+            arg("--replace", action="store_true", help="replace a saved set of that name"),
+        ),
+        description="The schema is checked as a request with those questions would be; an invalid one is "
+        "refused with each problem's location, and nothing is saved.",
+    ),
+    Command("list", "the saved question sets and their questions", command_sets_list, (arg("--json", action="store_true", help="print the saved files as one JSON array"),)),
+    Command("rm", "remove a saved question set", command_sets_rm, (arg("name"),)),
 )
 
 EXPORTS = (
@@ -829,8 +945,34 @@ COMMANDS = (
         ),
     ),
     Command(
+        "mcp",
+        "the model as MCP tools for agents: decide, classify, and one per saved question set (stdio, or --http PORT)",
+        command_mcp,
+        (
+            *MODEL_ARGUMENTS,
+            *DEVICE_ARGUMENTS,
+            arg("--http", type=positive_int, metavar="PORT", help="serve streamable HTTP at http://HOST:PORT/mcp instead of stdio"),
+            arg("--host", default="127.0.0.1", help="with --http: the address to bind (default 127.0.0.1: this machine only)"),
+            arg(
+                "--api-key",
+                env="CLEF_FLASH_API_KEY",
+                help="with --http: require 'Authorization: Bearer KEY' (default $CLEF_FLASH_API_KEY; unset: no key)",
+            ),
+            arg("--max-length", type=positive_int, help="token limit per record; longer ones are a tool error (default 65536)"),
+            arg("--batch-tokens", type=positive_int, help="padded tokens per batch (default: the model's, 8192)"),
+            arg("--batch-wait-ms", type=non_negative_float, default=5.0, help="how long a call waits for others to batch with (default 5)"),
+            arg("--max-batch", type=positive_int, default=64, help="records per batch (default 64)"),
+            arg("--max-queue", type=positive_int, default=256, help="queued calls before a 'busy' tool error (default 256)"),
+            arg("--request-timeout", type=positive_float, default=300.0, metavar="S", help="the longest a call waits for the model (default 300)"),
+            arg("--log-level", default="warning", choices=["debug", "info", "warning", "error"], help="with --http: uvicorn's (default warning)"),
+        ),
+        description="Desktop agents launch it over stdio: command clef-flash, args [\"mcp\", \"--model\", \"SRC\"]. "
+        "Each tool publishes its JSON schemas; a bad call is a tool error carrying the HTTP 422 body (message and location).",
+    ),
+    Command("sets", "saved question sets: add, list, rm", subcommands=SETS, subcommands_dest="action"),
+    Command(
         "batch",
-        "answer a JSONL file of requests (or of states, with --schema) into JSONL; resumable",
+        "answer a JSONL file of requests (or of states, with --schema or --set) into JSONL; resumable",
         command_batch,
         (
             arg("input", help="JSONL input"),
@@ -840,6 +982,14 @@ COMMANDS = (
                 action="append",
                 help='a JSON file {"questions": {...}, "model"?: ...} asked about every input state; repeat it to ask '
                 'several (each output line then says which: "schema": its position from 0; each state runs once)',
+            ),
+            arg(
+                "--set",
+                dest="schema",
+                action="append",
+                type=SetName,
+                metavar="NAME",
+                help="a saved question set asked about every input state, as a --schema file is (they number together)",
             ),
             *MODEL_ARGUMENTS,
             *DEVICE_ARGUMENTS,

@@ -4,6 +4,7 @@
     ├── RequestInvalid          a request that breaks the protocol (HTTP 422)
     │   └── RecordTooLong       a record over max_length tokens (HTTP 422)
     ├── ModelSourceError        a model source that cannot be found or opened
+    ├── QuestionSetError        a saved question set that does not exist or cannot be read (HTTP 404)
     ├── WeightsError            missing / unexpected / misshapen tensors in a release or bundle
     │   └── BundleError         a converted bundle that is incomplete, altered or of unknown format
     └── InferenceError          the model failed on a valid request (HTTP 5xx)
@@ -83,6 +84,10 @@ class RecordTooLong(RequestInvalid):
 
 class ModelSourceError(ClefError):
     """A model source (directory, bundle, hub repo id) that cannot be found or opened."""
+
+
+class QuestionSetError(ClefError):
+    """A saved question set (`clef-flash sets`) that does not exist, or whose file cannot be read."""
 
 
 class WeightsError(ClefError):

@@ -86,6 +86,7 @@ __all__ = [
     "SystemOneRequest",
     "SystemOneResponse",
     "Usage",
+    "decode_body",
     "parse_request",
     "parse_request_json",
     "served_request",
@@ -496,7 +497,12 @@ def parse_request(body: Any, request_type: type[SystemOneRequest] = SystemOneReq
 
 
 def parse_request_json(raw: bytes | str, request_type: type[SystemOneRequest] = SystemOneRequest) -> SystemOneRequest:
-    """Decode and validate a raw body. An undecodable one gives FastAPI's `json_invalid` item
+    """Decode (`decode_body`) and validate a raw body (as `request_type`: a server's names its served models)."""
+    return parse_request(decode_body(raw), request_type)
+
+
+def decode_body(raw: bytes | str) -> Any:
+    """A raw body's JSON value. An undecodable one gives FastAPI's `json_invalid` item
     (`loc` `["body", position]`); an empty one `missing` at `["body"]`, as FastAPI reports it.
 
     Stricter than `json.loads` in one way: NaN and Infinity are refused (they are not JSON, and
@@ -529,7 +535,7 @@ def parse_request_json(raw: bytes | str, request_type: type[SystemOneRequest] = 
         raise RequestInvalid([_json_invalid(0, message, f"{error.args[0]} is not JSON")]) from None
     except ValueError:  # an integer past Python's digit limit (sys.get_int_max_str_digits)
         raise RequestInvalid([_integer_too_long(raw)]) from None
-    return parse_request(body, request_type)
+    return body
 
 
 class _LongInteger(str):

@@ -1,6 +1,7 @@
 """The HTTP app: System One and Workers AI routes, limits, errors, health, metrics, the demo page.
 
     POST /v1/systemone                                            System One body -> answers
+    POST /v1/sets/{name}                                          {"state": ...} -> the saved set's answers
     POST /client/v4/accounts/{account}/ai/run/@cf/cloudflare/clef-flash   the same, in Cloudflare's
     POST /accounts/{account}/ai/run/@cf/cloudflare/clef-flash             {result, success, errors, messages}
                         (any other model after ai/run/: 400, Cloudflare's 7000 "no route")
@@ -12,7 +13,8 @@
     GET  /openapi.json  every route above but the bare Workers AI alias, its statuses and bodies (schemas.py)
 
 A request goes: API key -> Content-Type (JSON or none, else 415) -> body (size limits, zstd/gzip,
-the parse budget: body.py) -> `parse_request_json` -> model name -> `Clef.encode` (over-length
+the parse budget: body.py) -> `parse_request_json` (a set's route: `decode_body`, then the saved
+questions, sets.py; 404 when there is no such set) -> model name -> `Clef.encode` (over-length
 records refused here, before inference) -> the batcher's queue (bounded: 429) -> one `Clef.score`
 batch in the worker thread -> `shape_response`, all within `request_timeout_s` (then 503). Errors on
 `/v1` are FastAPI-shaped (`{"detail": [...]}` for 422, `{"detail": "..."}` otherwise); on the Workers
@@ -45,8 +47,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .. import __version__
 from ..clef import Prepared
-from ..errors import InferenceError, RequestInvalid
-from ..request.protocol import parse_request_json, served_request
+from ..errors import InferenceError, QuestionSetError, RequestInvalid
+from ..request.protocol import decode_body, parse_request, parse_request_json, served_request
+from ..sets import SetStore
 from . import schemas
 from .batcher import Batcher, Job, QueueFull, WorkerUnavailable
 from .body import ApiError, ClientGone, ParseBudget, check_content_type, read_body
@@ -87,6 +90,7 @@ class ServerSettings:
     body_timeout_s: float = 30.0  # from the end of the headers to the end of the body
     max_connections: int = 1024  # open connections; one more gets 503
     shutdown_timeout_s: float = 30.0  # from SIGTERM: then what is left is answered 503 and the process exits
+    sets_dir: str | None = None  # where POST /v1/sets/{name} finds the saved sets; None: sets.default_sets_dir()
 
     def __post_init__(self) -> None:
         if self.max_parsing_bytes < 2 * self.max_body_bytes:
@@ -96,6 +100,22 @@ class ServerSettings:
             )
         if min(self.request_timeout_s, self.header_timeout_s, self.body_timeout_s, self.shutdown_timeout_s) <= 0:
             raise ValueError("the timeouts must be positive")
+
+
+# -- what every front end (HTTP, MCP) checks the same way -----------------------------------------
+
+API_KEY_REQUIRED = "a valid API key is required: send 'Authorization: Bearer <key>'"
+
+
+def bearer_matches(authorization: str | None, api_key: str) -> bool:
+    """Whether an `Authorization` header carries `Bearer <api_key>` (compared in constant time)."""
+    scheme, _, token = (authorization or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
+
+
+def served_names(model: Clef) -> tuple[str, ...]:
+    """The names a request's `model` may give (besides none): the model's own and its aliases."""
+    return tuple(dict.fromkeys((model.model_name, *MODEL_ALIASES)))
 
 
 # -- request ids and metrics (plain ASGI, so that disconnects reach the routes untouched) ----------
@@ -247,8 +267,9 @@ class SystemOneServer:
         self.metrics = ServerMetrics(queue_depth=lambda: self.batcher.depth, cache_stats=lambda: model.state_cache.stats)
         self.parse_budget = ParseBudget(settings.max_parsing_bytes, settings.max_parsing, settings.retry_after_s)
         self.batcher = make_batcher(model, self.metrics, settings)
-        self.served_names = tuple(dict.fromkeys((model.model_name, *MODEL_ALIASES)))
+        self.served_names = served_names(model)
         self.request_type = served_request(self.served_names)  # validates bodies; /openapi.json publishes it
+        self.sets = SetStore(settings.sets_dir)
         self.status = "starting"  # -> warming_up -> ready -> shutting_down, or failed (warm_up_error says why)
         self.warm_up_error: str | None = None
         self.worker_join_s = 5.0  # how long stopping waits for a forward in progress
@@ -262,6 +283,7 @@ class SystemOneServer:
         rules = {"description": schemas.request_rules(self.settings.max_body_bytes, self.model.max_length)}
         return [
             Route("/v1/systemone", "POST", self.systemone, "Answer a System One request", openapi={**schemas.SYSTEMONE, **rules}),
+            Route("/v1/sets/{name}", "POST", self.question_set, "Ask a saved question set about a state", openapi={**schemas.QUESTION_SET, **rules}),
             Route("/client/v4" + run + WORKERS_AI_MODEL, "POST", self.workers_ai, cloudflare, openapi={**schemas.WORKERS_AI, **rules}),
             Route(run + WORKERS_AI_MODEL, "POST", self.workers_ai, cloudflare, in_schema=False),
             # Any other model: Cloudflare's "no route" (400 / 7000); not an operation of this API.
@@ -372,21 +394,21 @@ class SystemOneServer:
 
     def check_api_key(self, request: Request) -> None:
         api_key = self.settings.api_key
-        if api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-            raise ApiError(
-                401,
-                "a valid API key is required: send 'Authorization: Bearer <key>'",
-                cf_code=10000,
-                headers={"WWW-Authenticate": "Bearer"},
-            )
+        if api_key is not None and not bearer_matches(request.headers.get("authorization"), api_key):
+            raise ApiError(401, API_KEY_REQUIRED, cf_code=10000, headers={"WWW-Authenticate": "Bearer"})
 
     def prepare(self, raw: bytes) -> Prepared:
         """Parse, check the model name and encode; raises RequestInvalid (422)."""
         parsed = parse_request_json(raw, self.request_type)  # `model`: one of the served names
         return self.model.prepare(parsed)  # RecordTooLong: token count and limit, before inference
+
+    def prepare_set(self, name: str, raw: bytes) -> Prepared:
+        """A set route's body, `{"state": ...}`, asked the saved set's questions; 404 without the set."""
+        try:
+            question_set = self.sets.get(name)
+        except QuestionSetError as error:
+            raise ApiError(404, str(error), cf_code=7000) from None
+        return self.model.prepare(parse_request(question_set.request_from_body(decode_body(raw)), self.request_type))
 
     async def wait_for(self, job: Job, request: Request) -> list[Any]:
         """The job's result; if the client goes first, or the deadline passes, the job leaves the queue."""
@@ -404,7 +426,8 @@ class SystemOneServer:
             raise ClientGone
         raise _unavailable(f"the model did not answer within {timeout:g} s", self.settings.retry_after_s)
 
-    async def answer(self, request: Request) -> tuple[dict[str, Any], dict[str, str]]:
+    async def answer(self, request: Request, prepare: Callable[[bytes], Prepared]) -> tuple[dict[str, Any], dict[str, str]]:
+        """`prepare`: the raw body to a prepared request (`self.prepare`, or a set's)."""
         self.check_api_key(request)
         retry_after = self.settings.retry_after_s
         if self.status == "shutting_down":
@@ -412,7 +435,7 @@ class SystemOneServer:
         check_content_type(request.headers.get("content-type"))
         with self.parse_budget.reserve() as reservation:  # 429 past the bytes or requests being parsed
             raw = await read_body(request, self.settings.max_body_bytes, reservation)
-            prepared = await run_in_threadpool(self.prepare, raw)  # tokenizing a 1 MiB state takes a while
+            prepared = await run_in_threadpool(prepare, raw)  # tokenizing a 1 MiB state takes a while
             del raw
         try:
             job = self.batcher.submit(prepared.record, request.state.request_id)
@@ -433,10 +456,10 @@ class SystemOneServer:
         timing = f"queue;dur={job.queue_ms():.1f}, model;dur={job.model_ms():.1f}"
         return body, {"Server-Timing": timing}
 
-    async def run_route(self, request: Request) -> Outcome:
+    async def run_route(self, request: Request, prepare: Callable[[bytes], Prepared] | None = None) -> Outcome:
         """(body, headers), or the error to answer in the route's own shape."""
         try:
-            return await self.answer(request)
+            return await self.answer(request, prepare or self.prepare)
         except (ApiError, RequestInvalid, InferenceError, ClientGone) as error:
             return error
         except Exception as error:
@@ -447,6 +470,10 @@ class SystemOneServer:
 
     async def systemone(self, request: Request) -> Response:
         return systemone_response(await self.run_route(request), request.state.request_id)
+
+    async def question_set(self, request: Request, name: str) -> Response:
+        outcome = await self.run_route(request, lambda raw: self.prepare_set(name, raw))
+        return systemone_response(outcome, request.state.request_id)
 
     async def workers_ai(self, request: Request, account: Annotated[str, Path(pattern=schemas.PATH_SEGMENT)]) -> Response:
         return workers_ai_response(await self.run_route(request), request.state.request_id)

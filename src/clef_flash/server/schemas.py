@@ -57,6 +57,16 @@ class WorkersAIEnvelope(BaseModel):
     messages: list[Any]
 
 
+class SetBody(BaseModel):
+    """The body of `POST /v1/sets/{name}` and the input of a set's MCP tool: only the state."""
+
+    state: Any = Field(
+        json_schema_extra={"type": ["string", "object", "array", "number", "boolean"]},
+        description="The text (or JSON value) the saved questions are about",
+    )
+    model: str | None = Field(None, description="Any of the served model names, or left out")
+
+
 class ModelEntry(BaseModel):
     name: str
     description: str
@@ -120,6 +130,20 @@ SYSTEMONE: dict[str, Any] = {
         **_errors(ErrorBody, _ERROR_STATUSES),
     },
     "openapi_extra": _REQUEST_BODY,
+}
+QUESTION_SET: dict[str, Any] = {
+    "responses": {
+        200: {"model": SystemOneResponse, "description": "One answer per question of the saved set, in its order"},
+        404: {"model": ErrorBody, "description": "No saved set by that name (clef-flash sets list)"},
+        422: {"model": ValidationErrorBody, "description": "The body is not {\"state\": ...}, or brings questions"},
+        **_errors(ErrorBody, _ERROR_STATUSES),
+    },
+    "openapi_extra": {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": COMPONENTS.format(model="SetBody")}}},
+        }
+    },
 }
 WORKERS_AI: dict[str, Any] = {
     "responses": {
@@ -194,6 +218,7 @@ def publish_models(app: FastAPI, request_type: type[BaseModel] = SystemOneReques
             components = schema.setdefault("components", {}).setdefault("schemas", {})
             components.update(request_schema.pop("$defs", {}))
             components["SystemOneRequest"] = request_schema
+            components["SetBody"] = SetBody.model_json_schema(ref_template=COMPONENTS)
             app.openapi_schema = schema
         return app.openapi_schema
 

@@ -7,7 +7,7 @@ import contextlib
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,19 +21,24 @@ class ServerThread:
 
 
 @contextlib.contextmanager
-def server_thread(app: Any, *, ready_timeout: float = 60.0, wait_for_health: bool = True) -> Iterator[ServerThread]:
+def server_thread(
+    app: Any, *, ready_timeout: float = 60.0, wait_for_health: bool = True, make_server: Callable[..., Any] | None = None
+) -> Iterator[ServerThread]:
     """Serve an app from `create_app` on 127.0.0.1 (a port the OS picks), with the deadlines of
     `clef-flash serve` (server/transport.py). With `wait_for_health`, waits until GET /health
-    answers 200 (weights loaded, warm-up run). Stopped (as by SIGTERM) when the block ends."""
+    answers 200 (weights loaded, warm-up run). Stopped (as by SIGTERM) when the block ends.
+    `make_server(app, log_level=...)`: another uvicorn server (the MCP app's: server/mcp_tools.py)."""
     import httpx
 
     from ..server.transport import uvicorn_server
+
+    make_server = make_server or uvicorn_server
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn_server(app, log_level="warning")
+    server = make_server(app, log_level="warning")
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True)
     thread.start()
     running = ServerThread(f"http://127.0.0.1:{port}", port, server, thread)
