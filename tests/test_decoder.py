@@ -148,7 +148,7 @@ def test_parameter_names_and_shapes_are_the_checkpoints(name):
     expected = {key: tuple(t.shape) for key, t in hf.state_dict().items()}
     got = {key: tuple(t.shape) for key, t in ours.state_dict().items()}
     assert sorted(set(expected) - set(got)) == [] and sorted(set(got) - set(expected)) == []
-    assert got == expected
+    assert list(got.items()) == list(expected.items())  # the checkpoint's order too (how shards are cut)
     assert not list(ours.buffers())  # nothing a by-name loader would miss
 
 
