@@ -149,3 +149,14 @@ def test_tiny_command_writes_a_loadable_release(tmp_path):
     for name in ("config.json", "model.safetensors", "joint_head.safetensors", "joint_head_config.json", "tokenizer.json"):
         assert (out / name).is_file()
     assert json.loads((out / "config.json").read_text())["clef_flash_random"]["config"] == "tiny"
+
+
+@pytest.mark.parametrize("command", ["tiny", "bench"])
+def test_help_names_every_random_config(capsys, monkeypatch, command):
+    from clef_flash.checkpoint.random_release import RANDOM_CONFIGS
+
+    monkeypatch.setenv("COLUMNS", "400")  # no line breaks inside a config's name
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    out = capsys.readouterr().out
+    assert [name for name in RANDOM_CONFIGS if name not in out] == []

@@ -8,7 +8,7 @@ file for file, key for key and shape for shape:
       or model-0000k-of-0000N.safetensors + model.safetensors.index.json   (max_shard_bytes)
     joint_head.safetensors           the joint schema head, fp32, keys of the reference JointSchemaHead
     joint_head_config.json           hidden_size, width, routing_layers, layers, heads, feedforward
-    tokenizer.json, tokenizer_config.json   the real Qwen3.5 vocabulary (testing/vocab.py)
+    tokenizer.json, tokenizer_config.json   the real Qwen3.5 vocabulary (checkpoint/vocab.py)
     RANDOM_RELEASE.md                says the weights are random
 
 The tensor table (names, shapes, how each tensor is drawn) is not written here: `tensor_table` /
@@ -58,7 +58,6 @@ RELEASE_BUILDER_VERSION = "1"
 TRANSFORMERS_LAYOUT_VERSION = "5.23.0"
 
 # Real Qwen3.5 special-token ids (SPEC §2; tests check them against the vocabulary).
-ENDOFTEXT_ID = 248044
 VISION_START_ID = 248053
 VISION_END_ID = 248054
 IMAGE_PAD_ID = 248056
