@@ -11,6 +11,7 @@ import torch
 
 import clef_flash
 from clef_flash import machine
+from clef_flash.checkpoint.names import outlier_counts
 from clef_flash.checkpoint.outliers import calibrate, default_calibration_requests, find_outliers, outlier_ratios
 from clef_flash.checkpoint.quant import Int8Linear, QuantizingSource, quantize_per_channel
 from clef_flash.checkpoint.w8a8 import INT_MM, W8A8_KERNELS, quantize_per_token
@@ -250,6 +251,13 @@ def test_calibration_round_trips_through_the_manifest(calibrated_bundle, outlier
     layer = model.parts.decoder.layers[0].mlp.gate_proj
     injected = outlier_channels(256, 3)  # the hidden channels the release scales by 50
     assert set(injected) <= set(layer.outlier_channels.tolist())
+    # The bundle's outlier names (checkpoint/names.py) say which linears keep how many channels apart.
+    built = {
+        name: len(module.outlier_channels)
+        for name, module in model.parts.decoder.named_modules()
+        if getattr(module, "outlier_channels", None) is not None
+    }
+    assert outlier_counts(model.checkpoint.tensors) == built != {}
     as_converted = clef_flash.load(outlier_release, device="cpu")  # convert calibrates in the release's default
     again = find_outliers(calibrate(as_converted, default_calibration_requests()))
     assert torch.equal(again["model.language_model.layers.0.mlp.gate_proj.weight"], layer.outlier_channels)
