@@ -173,6 +173,11 @@ def resolve_config(config: str | RandomConfig) -> RandomConfig:
 _DTYPE_NAMES = {BF16: "bfloat16", FP16: "float16", FP32: "float32"}
 
 
+# TextConfig's fields are transformers' own names; these it keeps elsewhere (rope_parameters) or does not save.
+_ROPE_FIELDS = ("mrope_interleaved", "mrope_section", "partial_rotary_factor", "rope_theta", "rope_type")
+_UNSAVED_FIELDS = ("attn_output_gate", "full_attention_interval")
+
+
 def release_config(
     config: RandomConfig, *, seed: int = 0, dtype: torch.dtype = BF16, mtp: bool = True
 ) -> dict:
@@ -180,6 +185,10 @@ def release_config(
     `clef_flash_random` (so tools can label outputs as random) and `mtp_num_hidden_layers`.
     Its `text_config` reads back as `config.text` (`TextConfig.from_release_config`)."""
     text, vision = config.text, config.vision
+    fields = asdict(text)
+    rope = {name: fields.pop(name) for name in _ROPE_FIELDS}
+    for name in _UNSAVED_FIELDS:
+        del fields[name]
     return {
         "architectures": ["Qwen3_5ForConditionalGeneration"],
         "clef_flash_random": {"config": config.name, "seed": seed},
@@ -187,58 +196,26 @@ def release_config(
         "image_token_id": IMAGE_PAD_ID,
         "model_type": "qwen3_5",
         "text_config": {
-            "attention_bias": text.attention_bias,
+            **fields,
             "attention_dropout": 0.0,
             "bos_token_id": None,
-            "eos_token_id": text.eos_token_id,
-            "head_dim": text.head_dim,
-            "hidden_act": text.hidden_act,
-            "hidden_size": text.hidden_size,
             "initializer_range": 0.02,
-            "intermediate_size": text.intermediate_size,
             "layer_types": list(text.layer_types),
-            "linear_conv_kernel_dim": text.linear_conv_kernel_dim,
-            "linear_key_head_dim": text.linear_key_head_dim,
-            "linear_num_key_heads": text.linear_num_key_heads,
-            "linear_num_value_heads": text.linear_num_value_heads,
-            "linear_value_head_dim": text.linear_value_head_dim,
-            "max_position_embeddings": text.max_position_embeddings,
             "model_type": "qwen3_5_text",
             "mtp_num_hidden_layers": config.mtp_layers if mtp else 0,
-            "num_attention_heads": text.num_attention_heads,
-            "num_hidden_layers": text.num_hidden_layers,
-            "num_key_value_heads": text.num_key_value_heads,
-            "pad_token_id": text.pad_token_id,
-            "rms_norm_eps": text.rms_norm_eps,
-            "rope_parameters": {
-                "mrope_interleaved": text.mrope_interleaved,
-                "mrope_section": list(text.mrope_section),
-                "partial_rotary_factor": text.partial_rotary_factor,
-                "rope_theta": text.rope_theta,
-                "rope_type": text.rope_type,
-            },
-            "tie_word_embeddings": text.tie_word_embeddings,
+            "rope_parameters": {**rope, "mrope_section": list(text.mrope_section)},
             "use_cache": True,
-            "vocab_size": text.vocab_size,
         },
         "tie_word_embeddings": False,
         "transformers_version": TRANSFORMERS_LAYOUT_VERSION,
         "video_token_id": VIDEO_PAD_ID,
         "vision_config": {
-            "depth": vision.depth,
+            **asdict(vision),
             "hidden_act": "gelu_pytorch_tanh",
-            "hidden_size": vision.hidden_size,
-            "in_channels": vision.in_channels,
             "initializer_range": 0.02,
-            "intermediate_size": vision.intermediate_size,
             "model_type": "qwen3_5_vision",
-            "num_heads": vision.num_heads,
-            "num_position_embeddings": vision.num_position_embeddings,
             "out_hidden_size": text.hidden_size,  # the merger feeds the decoder
-            "patch_size": vision.patch_size,
             "rope_parameters": {"rope_theta": 10000.0, "rope_type": "axial"},
-            "spatial_merge_size": vision.spatial_merge_size,
-            "temporal_patch_size": vision.temporal_patch_size,
         },
         "vision_end_token_id": VISION_END_ID,
         "vision_start_token_id": VISION_START_ID,
