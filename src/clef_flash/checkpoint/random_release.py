@@ -303,13 +303,14 @@ def _init(name: str, kind: type[nn.Module], shape: tuple[int, ...], *, residual_
 def _module_table(
     module: nn.Module, prefix: str = "", *, residual_gain: float = 1.0, layer_norm: Init = NORM_OFFSET
 ) -> list[TensorSpec]:
-    """Every tensor of a meta-built module, named `prefix` + its state_dict name, in state_dict order."""
-    return [
-        TensorSpec(name, tuple(tensor.shape), _init(name, type(owner), tuple(tensor.shape), residual_gain=residual_gain, layer_norm=layer_norm))
-        for module_name, owner in module.named_modules()
-        for leaf, tensor in [*owner.named_parameters(recurse=False), *owner.named_buffers(recurse=False)]
-        for name in [prefix + (f"{module_name}.{leaf}" if module_name else leaf)]
-    ]
+    """Every tensor of a meta-built module, named `prefix` + its state_dict name, in state_dict order
+    (a module's own parameters and buffers, then its children's)."""
+    specs = []
+    for module_name, owner in module.named_modules():
+        for leaf, tensor in [*owner.named_parameters(recurse=False), *owner.named_buffers(recurse=False)]:
+            name, shape = prefix + (f"{module_name}.{leaf}" if module_name else leaf), tuple(tensor.shape)
+            specs.append(TensorSpec(name, shape, _init(name, type(owner), shape, residual_gain=residual_gain, layer_norm=layer_norm)))
+    return specs
 
 
 class _VisionTower(nn.Module):
