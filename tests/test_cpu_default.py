@@ -233,6 +233,7 @@ def calibrated_bundle(outlier_release, tmp_path_factory):
     return convert(outlier_release, tmp_path_factory.mktemp("outliers") / "bundle", progress=False)
 
 
+@pytest.mark.slow  # the 9b-heads-outliers release, converted and calibrated
 def test_the_outlier_release_has_outliers(outlier_release, tiny_dir):
     fp32 = clef_flash.load(outlier_release, device="cpu", precision="fp32")
     ratios = outlier_ratios(calibrate(fp32, default_calibration_requests(4)))
@@ -242,6 +243,7 @@ def test_the_outlier_release_has_outliers(outlier_release, tiny_dir):
     assert statistics.median(ratios.values()) > 20 > 5 > statistics.median(plain.values())
 
 
+@pytest.mark.slow  # the 9b-heads-outliers release, converted and calibrated
 def test_calibration_round_trips_through_the_manifest(calibrated_bundle, outlier_release):
     manifest = json.loads((calibrated_bundle / "manifest.json").read_text())
     recorded = manifest["scheme"]["outliers"]
@@ -266,6 +268,7 @@ def test_calibration_round_trips_through_the_manifest(calibrated_bundle, outlier
     assert clef_flash.load(uncalibrated, device="cpu").precision == "int8-weight-only"
 
 
+@pytest.mark.slow  # the 9b-heads-outliers release, converted and calibrated
 def test_calibrated_w8a8_agrees_on_the_outlier_release(calibrated_bundle, outlier_release):
     """Against our fp32, on requests the calibration never saw: calibrated W8A8 keeps close, plain W8A8 does not."""
     fp32 = clef_flash.load(outlier_release, device="cpu", precision="fp32")
