@@ -136,7 +136,8 @@ def test_truncate_state_says_how_many_tokens_were_cut(capsys, tiny_dir):
     assert code == 0, err
     cut = int(err.split("cut ")[1].split(" tokens")[0])
     assert cut > 0 and "of 300 in all" in err
-    assert json.loads(out)["usage"]["input_tokens"] == 300 or json.loads(out)["usage"]["input_tokens"] <= 300
+    # The state's tail is cut to exactly what the limit leaves (records.encode_record): the record is 300 tokens.
+    assert json.loads(out)["usage"]["input_tokens"] == 300
     code, _, err = run(capsys, "render", "--model", str(tiny_dir), "--max-length", "300", "--truncate-state", *long_state)
     assert code == 0 and f"({cut} cut from its end)" in err
 
@@ -148,3 +149,14 @@ def test_tiny_command_writes_a_loadable_release(tmp_path):
     for name in ("config.json", "model.safetensors", "joint_head.safetensors", "joint_head_config.json", "tokenizer.json"):
         assert (out / name).is_file()
     assert json.loads((out / "config.json").read_text())["clef_flash_random"]["config"] == "tiny"
+
+
+@pytest.mark.parametrize("command", ["tiny", "bench"])
+def test_help_names_every_random_config(capsys, monkeypatch, command):
+    from clef_flash.checkpoint.random_release import RANDOM_CONFIGS
+
+    monkeypatch.setenv("COLUMNS", "400")  # no line breaks inside a config's name
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    out = capsys.readouterr().out
+    assert [name for name in RANDOM_CONFIGS if name not in out] == []

@@ -125,6 +125,7 @@ def test_parts_chained_over_padded_records_equal_the_decoder(tiny):
                 part.to(FP32)
 
 
+@pytest.mark.slow  # a Core ML export
 def test_export_head_with_host_matrices_equals_the_head(tiny, exported):
     checkpoint, config = tiny
     parts = build_model(checkpoint, Plan(PRECISIONS["fp32"], torch.device("cpu")))
@@ -163,6 +164,7 @@ def read_back(package: Path, function: str):
     return spec, milproto_load(spec, spec.specificationVersion, str(weights)).functions[function]
 
 
+@pytest.mark.slow  # a Core ML export
 def test_packages_have_the_ports_layout(exported, tiny):
     _, config = tiny
     files = {path.name for path in exported.iterdir()}
@@ -198,6 +200,7 @@ def test_packages_have_the_ports_layout(exported, tiny):
             assert out.name == output and out.type.multiArrayType.dataType == dtype
 
 
+@pytest.mark.slow  # a Core ML export
 def test_decoder_weights_are_int8_per_channel_as_our_scheme_and_stored_once(exported, tiny):
     checkpoint, _ = tiny
     package = exported / "part01.mlpackage"
@@ -235,6 +238,7 @@ def test_decoder_weights_are_int8_per_channel_as_our_scheme_and_stored_once(expo
     assert int8_bytes <= one_function <= weight_file <= one_function + 16_384  # + 64-byte alignment per blob
 
 
+@pytest.mark.slow  # a Core ML export
 def test_a_bundle_carries_its_own_int8_values_and_scales(tmp_path, tiny):
     from clef_flash.conversion import convert
 
@@ -280,6 +284,7 @@ def test_an_outlier_bundle_linear_exports_as_int8_plus_its_fp32_channels():
 # -- the host, with the torch twins standing in for Core ML ------------------------------------------------
 
 
+@pytest.mark.slow  # a Core ML export
 def test_the_host_answers_as_our_fp32_engine(model):
     reference = clef_flash.load("tiny", precision="fp32")
     for request in (short_request(1), short_request(2, 5), short_request(3, 2, state="x " * 60)):
@@ -294,6 +299,7 @@ def test_the_host_answers_as_our_fp32_engine(model):
     assert model.precision == "coreml-int8-fp16" and model.is_random
 
 
+@pytest.mark.slow  # a Core ML export
 def test_refusals_name_the_counts(model):
     with pytest.raises(RequestInvalid, match=r"needs \d+ tokens, over the largest Core ML bucket of this export \(384"):
         model.answer(short_request(1, state="word " * 400))
@@ -304,11 +310,13 @@ def test_refusals_name_the_counts(model):
 
 
 @pytest.mark.skipif(sys.platform == "darwin", reason="on macOS the export loads through Core ML")
+@pytest.mark.slow  # a Core ML export
 def test_loading_an_export_off_macos_says_core_ml_needs_macos(exported):
     with pytest.raises(ModelSourceError, match="Core ML runs only on macOS"):
         clef_flash.load(exported)
 
 
+@pytest.mark.slow  # a Core ML export
 def test_the_mac_benchmark_runs_end_to_end_with_the_stand_in(exported, model, tmp_path):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import coreml_mac

@@ -11,6 +11,7 @@ import torch
 
 import clef_flash
 from clef_flash import machine
+from clef_flash.checkpoint.names import outlier_counts
 from clef_flash.checkpoint.outliers import find_outliers, outlier_ratios
 from clef_flash.conversion import calibrate, default_calibration_requests
 from clef_flash.checkpoint.quant import Int8Linear, QuantizingSource, quantize_per_channel
@@ -233,6 +234,7 @@ def calibrated_bundle(outlier_release, tmp_path_factory):
     return convert(outlier_release, tmp_path_factory.mktemp("outliers") / "bundle", progress=False)
 
 
+@pytest.mark.slow  # the 9b-heads-outliers release, converted and calibrated
 def test_the_outlier_release_has_outliers(outlier_release, tiny_dir):
     fp32 = clef_flash.load(outlier_release, device="cpu", precision="fp32")
     ratios = outlier_ratios(calibrate(fp32, default_calibration_requests(4)))
@@ -242,6 +244,7 @@ def test_the_outlier_release_has_outliers(outlier_release, tiny_dir):
     assert statistics.median(ratios.values()) > 20 > 5 > statistics.median(plain.values())
 
 
+@pytest.mark.slow  # the 9b-heads-outliers release, converted and calibrated
 def test_calibration_round_trips_through_the_manifest(calibrated_bundle, outlier_release):
     manifest = json.loads((calibrated_bundle / "manifest.json").read_text())
     recorded = manifest["scheme"]["outliers"]
@@ -251,6 +254,13 @@ def test_calibration_round_trips_through_the_manifest(calibrated_bundle, outlier
     layer = model.parts.decoder.layers[0].mlp.gate_proj
     injected = outlier_channels(256, 3)  # the hidden channels the release scales by 50
     assert set(injected) <= set(layer.outlier_channels.tolist())
+    # The bundle's outlier names (checkpoint/names.py) say which linears keep how many channels apart.
+    built = {
+        name: len(module.outlier_channels)
+        for name, module in model.parts.decoder.named_modules()
+        if getattr(module, "outlier_channels", None) is not None
+    }
+    assert outlier_counts(model.checkpoint.tensors) == built != {}
     as_converted = clef_flash.load(outlier_release, device="cpu")  # convert calibrates in the release's default
     again = find_outliers(calibrate(as_converted, default_calibration_requests()))
     assert torch.equal(again["model.language_model.layers.0.mlp.gate_proj.weight"], layer.outlier_channels)
@@ -259,6 +269,7 @@ def test_calibration_round_trips_through_the_manifest(calibrated_bundle, outlier
     assert clef_flash.load(uncalibrated, device="cpu").precision == "int8-weight-only"
 
 
+@pytest.mark.slow  # the 9b-heads-outliers release, converted and calibrated
 def test_calibrated_w8a8_agrees_on_the_outlier_release(calibrated_bundle, outlier_release):
     """Against our fp32, on requests the calibration never saw: calibrated W8A8 keeps close, plain W8A8 does not."""
     fp32 = clef_flash.load(outlier_release, device="cpu", precision="fp32")

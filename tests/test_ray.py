@@ -134,6 +134,7 @@ def assert_same_answers(lines: bytes, expected: bytes) -> None:
 
 
 @pytest.mark.ray
+@pytest.mark.slow  # a local Ray cluster
 def test_ray_batch_of_parquet_states_and_several_schemas(spec, model, tmp_path):
     """Parquet rows as states, two schemas, other blocks than the local run's: the same answers."""
     import pyarrow as pa
@@ -187,6 +188,7 @@ def requests_and_answers(model, tmp_path_factory) -> tuple[Path, bytes]:
 
 
 @pytest.mark.ray
+@pytest.mark.slow  # a local Ray cluster
 def test_ray_batch_equals_the_local_batch_byte_for_byte_with_a_worker_killed(spec, requests_and_answers, tmp_path):
     """Two scoring actors, one SIGKILLed once the first block is written: Ray restarts it and retries
     its blocks; the output is the local one, byte for byte (same blocks, one thread each)."""
@@ -202,6 +204,7 @@ def test_ray_batch_equals_the_local_batch_byte_for_byte_with_a_worker_killed(spe
 
 
 @pytest.mark.ray
+@pytest.mark.slow  # a local Ray cluster
 def test_a_killed_driver_then_rerun_loses_and_duplicates_nothing(cluster, requests_and_answers, tiny_dir, tmp_path):
     source, expected = requests_and_answers
     out = tmp_path / "ray.jsonl"
@@ -224,6 +227,7 @@ def test_a_killed_driver_then_rerun_loses_and_duplicates_nothing(cluster, reques
 
 
 @pytest.mark.ray
+@pytest.mark.slow  # a local Ray cluster
 def test_a_worker_with_another_copy_of_the_model_refuses_to_score(spec, tmp_path):
     import dataclasses
 
@@ -307,6 +311,7 @@ CASES = [  # (method, path, body bytes or None, extra headers)
 
 
 @pytest.mark.ray
+@pytest.mark.slow  # a local Ray cluster
 def test_ray_serve_answers_every_case_as_the_local_server(ray_server, local_server):
     import httpx
 
@@ -329,6 +334,7 @@ def test_ray_serve_answers_every_case_as_the_local_server(ray_server, local_serv
 
 
 @pytest.mark.ray
+@pytest.mark.slow  # a local Ray cluster
 def test_typesafe_sdk_against_ray_serve(ray_server, model):
     typesafe_sdk = pytest.importorskip("typesafe_sdk")
 

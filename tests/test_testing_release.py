@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import filecmp
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -239,6 +240,46 @@ def test_same_seed_same_bytes_other_seed_other_bytes(tiny, tmp_path):
     # draw_tensor gives a file's tensor without the file.
     spec = next(spec for spec in tensor_table("tiny") if spec.name.endswith("layers.0.linear_attn.in_proj_qkv.weight"))
     assert torch.equal(draw_tensor(spec, seed=0, dtype=torch.bfloat16), first[spec.name])
+
+
+# sha256 of every file of `tiny` (seed 0), of every config's tensor table (name, shape, init) and of the
+# outlier config's tensors: a random release's bytes never change without a RELEASE_BUILDER_VERSION bump.
+TINY_SHA256 = {
+    "RANDOM_RELEASE.md": "b72297b2314e5cd1f9d362f6f08d48b1fb5c1dc1ef16b63e3de944a7dd68d2e1",
+    "config.json": "9fa9f2f6cce75c94b60601e450b6f2bc7515a0b5ed1a0f0c22e0464eb0056b68",
+    "joint_head.safetensors": "01a6c7f45eb7953f72e95885b71ba1048214d20596369a454350a24b27cbfc5e",
+    "joint_head_config.json": "11e731d251d13bfee23236fde9cc058bed86c56976ead702d1e3b9ae9c30f3eb",
+    "model.safetensors": "5b55fd92ed9101e76b64489e994c958f68050f37ded111898e726553d4a33f5c",
+    "tokenizer.json": "a55e811cf46500ea80fbe1a965843a2fb6de09b9985452d4a89aac922aa8ebd9",
+    "tokenizer_config.json": "431cef9eb547fb91cba44d53b64be216e771eb4bce9873a3710f4ad243e4d158",
+}
+TABLES_SHA256 = "e9c30723e5f5d967f72c6e1caedd4d992bb3e5b00149906b8291ff7ee792b6d6"
+OUTLIERS_SHA256 = "b6493295e2049467759d6f53b0e6edabbd8991a64f588d5be3f1b43c9c2ad1ad"
+
+
+def test_tiny_files_are_the_recorded_bytes(tiny):
+    assert release_module.RELEASE_BUILDER_VERSION == "1"
+    files = {path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in sorted(tiny.iterdir())}
+    assert files == TINY_SHA256
+
+
+def test_every_tensor_table_is_the_recorded_one():
+    digest = hashlib.sha256()
+    for name in RANDOM_CONFIGS:
+        for specs in (tensor_table(name), tensor_table(name, mtp=False), head_tensor_table(name)):
+            for s in specs:
+                digest.update(f"{s.name} {list(s.shape)} {s.init.kind} {s.init.a!r} {s.init.b!r} {s.init.c}\n".encode())
+    assert digest.hexdigest() == TABLES_SHA256
+
+
+def test_outlier_tensors_are_the_recorded_bytes():
+    """The norm_outliers rule, drawn (all but the two vocabulary-sized tables, drawn as tiny's are)."""
+    digest = hashlib.sha256()
+    for spec in tensor_table("9b-heads-outliers"):
+        if spec.shape[0] != RANDOM_CONFIGS["9b-heads-outliers"].text.vocab_size:
+            digest.update(spec.name.encode())
+            digest.update(draw_tensor(spec, seed=3, dtype=torch.bfloat16).view(torch.int16).numpy().tobytes())
+    assert digest.hexdigest() == OUTLIERS_SHA256
 
 
 def test_every_tensor_is_random_and_in_its_range(tiny):

@@ -17,7 +17,7 @@ _LAZY = {"load": "loader", "Clef": "clef", "EncodedRecord": "request.records", "
 
 
 def __getattr__(name: str):
-    # torch is imported on first use of the engine, not by `import clef_flash.protocol`.
+    # torch is imported on first use of the engine, not by `import clef_flash` or `clef_flash.request.protocol`.
     if name in _LAZY:
         import importlib
 

@@ -12,6 +12,7 @@
     clef-flash eval labelled FILE --model SRC accuracy, macro-F1, log-loss, Brier, ECE, a reliability diagram
     clef-flash bench [--random NAME]          latency percentiles, records/s, tokens/s, peak RSS
     clef-flash convert SRC DST                a release to an 8-bit bundle (memory-mapped, int8, calibrated outliers)
+    clef-flash export coreml SRC DST          the Core ML packages of a release or bundle (runs on macOS)
     clef-flash info                           this machine's features and probe, the default precision and why
 
 Environment defaults: CLEF_FLASH_MODEL (--model), CLEF_FLASH_DEVICE (--device),
@@ -725,8 +726,8 @@ MODEL_ARGUMENTS = (
         "--model",
         env="CLEF_FLASH_MODEL",
         default="tiny",
-        help="release, bundle or Core ML export directory, Hugging Face repo id (e.g. Cloudflare/clef-flash) or 'tiny' (random weights); "
-        "default $CLEF_FLASH_MODEL or tiny",
+        help="release, 8-bit bundle or Core ML export directory, Hugging Face repo id (e.g. Cloudflare/clef-flash), "
+        "'tiny' or random:NAME[:SEED] (random weights); default $CLEF_FLASH_MODEL or tiny",
     ),
     arg("--revision", help="hub revision (branch, tag or commit) for a repo id"),
 )
@@ -876,7 +877,7 @@ COMMANDS = (
         command_tiny,
         (
             arg("dir", help="output directory"),
-            arg("--config", default="tiny", help="named random config: tiny, 9b-heads, 9b-part, 9b (default tiny)"),
+            arg("--config", default="tiny", help="named random config: tiny, 9b-heads, 9b-heads-outliers, 9b-part, 9b (default tiny)"),
             arg("--seed", type=int, default=0),
         ),
     ),
@@ -1018,7 +1019,7 @@ COMMANDS = (
         command_bench,
         (
             *MODEL_ARGUMENTS,
-            arg("--random", metavar="NAME", help="instead of --model: a random model built in memory (tiny, 9b-heads, 9b-part, 9b)"),
+            arg("--random", metavar="NAME", help="instead of --model: a random model built in memory (tiny, 9b-heads, 9b-heads-outliers, 9b-part, 9b)"),
             arg("--seed", type=int, default=0, help="seed of --random's weights and of generated requests"),
             *DEVICE_ARGUMENTS,
             arg(

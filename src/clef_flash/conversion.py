@@ -21,7 +21,7 @@ from .checkpoint import bundle
 import torch
 from torch import nn
 
-from .checkpoint.loading import DECODER_PREFIX
+from .checkpoint.names import DECODER_PREFIX
 from .checkpoint.outliers import Calibration
 from .errors import ClefError
 from .model.precision import is_quantized

@@ -30,9 +30,10 @@ from pathlib import Path
 import torch
 
 from ..console import ProgressBar
-from ..errors import BundleError, ModelSourceError, WeightsError
+from ..errors import BundleError, WeightsError
 from ..model.precision import KEPT_HIGH_PRECISION, PRECISIONS, Plan, storage_dtype_of
-from .loading import DECODER_PREFIX, IGNORED_PREFIXES, LM_HEAD, build_model
+from .loading import build_model
+from .names import DECODER_PREFIX, EMBEDDING, IGNORED_PREFIXES, LM_HEAD
 from .quant import SCHEME, QuantizingSource
 from .outliers import MAX_FRACTION, THRESHOLD, Calibration, find_outliers
 from .safetensors_io import (
@@ -46,7 +47,7 @@ from .safetensors_io import (
     write_json_durably,
     write_safetensors,
 )
-from .sources import HEAD_CONFIG, HEAD_WEIGHTS, Checkpoint, config_fingerprint, read_json, release_files, resolve_source
+from .sources import HEAD_CONFIG, HEAD_WEIGHTS, Checkpoint, config_fingerprint, open_release, read_json, resolve_source
 
 FORMAT = "clef-flash-bundle"
 FORMAT_VERSION = 1
@@ -66,7 +67,7 @@ def _part_of(name: str) -> str:
     """Which bundle file (and storage rule) a release tensor belongs to."""
     if name == LM_HEAD:
         return "lm_head"
-    if name == DECODER_PREFIX + "embed_tokens.weight":
+    if name == DECODER_PREFIX + EMBEDDING:
         return "embeddings"
     return "decoder"
 
@@ -95,22 +96,12 @@ def convert(
     destination = Path(destination)
     if destination.exists() and not overwrite:
         raise BundleError(f"{destination} exists: remove it or pass --overwrite")
-    for name in COPIED_FILES + (HEAD_WEIGHTS,):
-        if not (root / name).is_file():
-            raise ModelSourceError(f"{root} is not a Clef release: {name} is missing")
-    checkpoint = Checkpoint(
-        source=str(source),
-        kind="release",
-        root=root,
-        config=read_json(root / "config.json"),
-        head_config=read_json(root / HEAD_CONFIG),
-        tokenizer_file=root / "tokenizer.json",
-        tensors=StreamedSafetensors(release_files(root)),
-        head_tensors=StreamedSafetensors([root / HEAD_WEIGHTS]),
-        stored_int8=True,
-    )
+    # Read once, in order (no memory map); its projections as the int8 bundle will store them.
+    release = open_release(root, source=str(source), files=StreamedSafetensors)
     outliers = find_outliers(calibration) if calibration is not None else {}
-    checkpoint.tensors = QuantizingSource(checkpoint.tensors, outliers=outliers)
+    checkpoint = dataclasses.replace(
+        release, tensors=QuantizingSource(release.tensors, outliers=outliers), stored_int8=True
+    )
     # Check every name and shape against the model before writing anything (meta tensors: no data read).
     _check(checkpoint)
 

@@ -20,7 +20,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..errors import ModelSourceError
 from ..errors import WeightsError
-from ..model.precision import OUTLIER_CHANNELS
+from .names import DECODER_PREFIX, IGNORED_PREFIXES, LM_HEAD, outlier_counts
 from .quant import QuantizingSource, replace_linears
 from .w8a8 import INT_MM
 from .safetensors_io import TensorSource
@@ -29,10 +29,6 @@ if TYPE_CHECKING:
     from ..model.precision import Plan
     from .sources import Checkpoint
 
-DECODER_PREFIX = "model.language_model."
-LM_HEAD = "lm_head.weight"
-EMBEDDING = "embed_tokens.weight"  # relative to the decoder
-IGNORED_PREFIXES = ("model.visual.", "mtp.")
 
 
 @dataclass(frozen=True)
@@ -191,12 +187,7 @@ def build_model(checkpoint: Checkpoint, plan: Plan, *, resident_layers: int | No
         decoder = Qwen35Decoder(text_config)
         head = JointHead(head_config)
     if precision.quantized:
-        outliers = {
-            name[len(DECODER_PREFIX) : -len(OUTLIER_CHANNELS) - 1]: tensors.shape(name)[0]
-            for name in tensors.keys()
-            if name.startswith(DECODER_PREFIX) and name.endswith("." + OUTLIER_CHANNELS)
-        }
-        replace_linears(decoder, precision.int8_mode, outliers=outliers, kernel=plan.kernel or INT_MM, dense_dtype=plan.dense_dtype)
+        replace_linears(decoder, precision.int8_mode, outliers=outlier_counts(tensors), kernel=plan.kernel or INT_MM, dense_dtype=plan.dense_dtype)
         decoder.activation_dtype = precision.compute_dtype
     expected = module_shapes(decoder, DECODER_PREFIX)
     expected[LM_HEAD] = (text_config.vocab_size, text_config.hidden_size)

@@ -8,11 +8,14 @@ file for file, key for key and shape for shape:
       or model-0000k-of-0000N.safetensors + model.safetensors.index.json   (max_shard_bytes)
     joint_head.safetensors           the joint schema head, fp32, keys of the reference JointSchemaHead
     joint_head_config.json           hidden_size, width, routing_layers, layers, heads, feedforward
-    tokenizer.json, tokenizer_config.json   the real Qwen3.5 vocabulary (testing/vocab.py)
+    tokenizer.json, tokenizer_config.json   the real Qwen3.5 vocabulary (checkpoint/vocab.py)
     RANDOM_RELEASE.md                says the weights are random
 
-The tensor table (names, shapes, how each tensor is drawn) is derived from the config by
-`tensor_table` / `head_tensor_table`; tests check it against transformers and the reference head.
+The tensor table (names, shapes, how each tensor is drawn) is not written here: `tensor_table` /
+`head_tensor_table` build the runtime's own modules (`Qwen35Decoder`, `JointHead`; the skipped vision
+tower and `mtp.*` as small mirrors) on the meta device from the config, walk their state_dict and draw
+each tensor by init rules keyed by its leaf name; tests check the table against transformers and the
+reference head.
 Tensors are streamed to disk in chunks, so even the full 9B (~19 GB) is written in bounded memory.
 Every tensor has its own generator, seeded from (seed, tensor name): the contents do not depend on
 sharding or order, and the same seed gives byte-identical files (for one torch version).
@@ -37,10 +40,13 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from ..model.config import QWEN3_5_9B, TextConfig
-from ..model.joint_head import HeadConfig
+from ..model.joint_head import HeadConfig, JointHead
 from ..model.precision import BF16, FP16, FP32, FP64
+from ..model.qwen3_5 import DecoderLayer, GatedRMSNorm, Qwen35Decoder, RMSNorm
+from .names import DECODER_PREFIX, LM_HEAD, MTP_PREFIX, VISION_PREFIX
 from .safetensors_io import PlannedTensor, write_safetensors
 from .vocab import BUILDER_VERSION as VOCAB_BUILDER_VERSION
 from .vocab import VOCAB_ROWS, write_tokenizer_files
@@ -52,7 +58,6 @@ RELEASE_BUILDER_VERSION = "1"
 TRANSFORMERS_LAYOUT_VERSION = "5.23.0"
 
 # Real Qwen3.5 special-token ids (SPEC §2; tests check them against the vocabulary).
-ENDOFTEXT_ID = 248044
 VISION_START_ID = 248053
 VISION_END_ID = 248054
 IMAGE_PAD_ID = 248056
@@ -168,6 +173,11 @@ def resolve_config(config: str | RandomConfig) -> RandomConfig:
 _DTYPE_NAMES = {BF16: "bfloat16", FP16: "float16", FP32: "float32"}
 
 
+# TextConfig's fields are transformers' own names; these it keeps elsewhere (rope_parameters) or does not save.
+_ROPE_FIELDS = ("mrope_interleaved", "mrope_section", "partial_rotary_factor", "rope_theta", "rope_type")
+_UNSAVED_FIELDS = ("attn_output_gate", "full_attention_interval")
+
+
 def release_config(
     config: RandomConfig, *, seed: int = 0, dtype: torch.dtype = BF16, mtp: bool = True
 ) -> dict:
@@ -175,6 +185,10 @@ def release_config(
     `clef_flash_random` (so tools can label outputs as random) and `mtp_num_hidden_layers`.
     Its `text_config` reads back as `config.text` (`TextConfig.from_release_config`)."""
     text, vision = config.text, config.vision
+    fields = asdict(text)
+    rope = {name: fields.pop(name) for name in _ROPE_FIELDS}
+    for name in _UNSAVED_FIELDS:
+        del fields[name]
     return {
         "architectures": ["Qwen3_5ForConditionalGeneration"],
         "clef_flash_random": {"config": config.name, "seed": seed},
@@ -182,58 +196,26 @@ def release_config(
         "image_token_id": IMAGE_PAD_ID,
         "model_type": "qwen3_5",
         "text_config": {
-            "attention_bias": text.attention_bias,
+            **fields,
             "attention_dropout": 0.0,
             "bos_token_id": None,
-            "eos_token_id": text.eos_token_id,
-            "head_dim": text.head_dim,
-            "hidden_act": text.hidden_act,
-            "hidden_size": text.hidden_size,
             "initializer_range": 0.02,
-            "intermediate_size": text.intermediate_size,
             "layer_types": list(text.layer_types),
-            "linear_conv_kernel_dim": text.linear_conv_kernel_dim,
-            "linear_key_head_dim": text.linear_key_head_dim,
-            "linear_num_key_heads": text.linear_num_key_heads,
-            "linear_num_value_heads": text.linear_num_value_heads,
-            "linear_value_head_dim": text.linear_value_head_dim,
-            "max_position_embeddings": text.max_position_embeddings,
             "model_type": "qwen3_5_text",
             "mtp_num_hidden_layers": config.mtp_layers if mtp else 0,
-            "num_attention_heads": text.num_attention_heads,
-            "num_hidden_layers": text.num_hidden_layers,
-            "num_key_value_heads": text.num_key_value_heads,
-            "pad_token_id": text.pad_token_id,
-            "rms_norm_eps": text.rms_norm_eps,
-            "rope_parameters": {
-                "mrope_interleaved": text.mrope_interleaved,
-                "mrope_section": list(text.mrope_section),
-                "partial_rotary_factor": text.partial_rotary_factor,
-                "rope_theta": text.rope_theta,
-                "rope_type": text.rope_type,
-            },
-            "tie_word_embeddings": text.tie_word_embeddings,
+            "rope_parameters": {**rope, "mrope_section": list(text.mrope_section)},
             "use_cache": True,
-            "vocab_size": text.vocab_size,
         },
         "tie_word_embeddings": False,
         "transformers_version": TRANSFORMERS_LAYOUT_VERSION,
         "video_token_id": VIDEO_PAD_ID,
         "vision_config": {
-            "depth": vision.depth,
+            **asdict(vision),
             "hidden_act": "gelu_pytorch_tanh",
-            "hidden_size": vision.hidden_size,
-            "in_channels": vision.in_channels,
             "initializer_range": 0.02,
-            "intermediate_size": vision.intermediate_size,
             "model_type": "qwen3_5_vision",
-            "num_heads": vision.num_heads,
-            "num_position_embeddings": vision.num_position_embeddings,
             "out_hidden_size": text.hidden_size,  # the merger feeds the decoder
-            "patch_size": vision.patch_size,
             "rope_parameters": {"rope_theta": 10000.0, "rope_type": "axial"},
-            "spatial_merge_size": vision.spatial_merge_size,
-            "temporal_patch_size": vision.temporal_patch_size,
         },
         "vision_end_token_id": VISION_END_ID,
         "vision_start_token_id": VISION_START_ID,
@@ -241,7 +223,7 @@ def release_config(
 
 
 # ---------------------------------------------------------------------------------------------
-# The tensor table
+# The tensor table: the runtime's modules, built on the meta device, give every name and shape
 
 
 @dataclass(frozen=True)
@@ -275,96 +257,100 @@ NORM_OFFSET = Init.normal(0.1)  # (1+w) RMSNorm: w near 0
 UNIT_NORM = Init.normal(0.1, mean=1.0)  # plain-weight norms (LayerNorm, gated RMSNorm): near 1
 BIAS = Init.normal(0.02)
 
+# Non-zero head scalars (zeros, the reference's init, would switch the joint path off), small
+# enough that random answers are not saturated: gate sigmoid(0.5) = 0.62, joint scale e^1, prior e^-0.5.
+HEAD_SCALARS = {"prior_logit_scale": -0.5, "joint_logit_scale": 1.0, "residual_gate": 0.5}
 
-def _linear(name: str, out_features: int, in_features: int, gain: float = 1.0) -> TensorSpec:
-    return TensorSpec(name, (out_features, in_features), Init.normal(gain / math.sqrt(in_features)))
+# Init rules keyed by a parameter's leaf name (its own name, or its module's), first match wins; what
+# none names is drawn by its module's kind (`_init`): a bias, a norm, or N(0, gain²/fan_in).
+PARAMETER_INITS = {
+    "dt_bias": Init("dt_bias", 1e-3, 1e-1),
+    "A_log": Init("log_uniform", 1.0, 16.0),
+    **{name: Init("constant", value) for name, value in HEAD_SCALARS.items()},
+}
+MODULE_INITS = {
+    # Unit-variance input embeddings: the residual stream starts O(1), like the layers' outputs.
+    "embed_tokens": Init.normal(1.0),
+    # Its input is a mean of lm_head rows (rms 1/sqrt(D)): unit std keeps it O(1).
+    "option_lexical_projection": Init.normal(1.0),
+    "type_embedding": Init.normal(1.0),
+    "pos_embed": Init.normal(0.02),
+}
+# Projections that write into the residual stream: N(0, 1/fan_in) further divided by sqrt(2·layers).
+RESIDUAL_WRITERS = ("o_proj", "out_proj", "down_proj")
+# The decoder layers' two (1+w) norms, which carry a config's activation outliers.
+OUTLIER_NORMS = ("input_layernorm", "post_attention_layernorm")
 
 
-def _decoder_layer(
-    prefix: str, text: TextConfig, layer_type: str, residual_gain: float, layer_norm: Init = NORM_OFFSET
+def _init(name: str, kind: type[nn.Module], shape: tuple[int, ...], *, residual_gain: float, layer_norm: Init) -> Init:
+    """How the tensor `name` (its module a `kind`) is drawn."""
+    *path, leaf = name.split(".")
+    owner = path[-1] if path else ""
+    if leaf in PARAMETER_INITS:
+        return PARAMETER_INITS[leaf]
+    if owner in MODULE_INITS:
+        return MODULE_INITS[owner]
+    if leaf.endswith("bias"):
+        return BIAS
+    if issubclass(kind, RMSNorm):
+        return layer_norm if owner in OUTLIER_NORMS else NORM_OFFSET
+    if issubclass(kind, (GatedRMSNorm, nn.LayerNorm)):
+        return UNIT_NORM
+    gain = residual_gain if owner in RESIDUAL_WRITERS else 1.0
+    return Init.normal(gain / math.sqrt(math.prod(shape[1:])))  # fan_in: every input of one output
+
+
+def _module_table(
+    module: nn.Module, prefix: str = "", *, residual_gain: float = 1.0, layer_norm: Init = NORM_OFFSET
 ) -> list[TensorSpec]:
-    """One decoder layer, keys in the order of transformers' state_dict."""
-    d = text.hidden_size
-    specs: list[TensorSpec] = []
-    if layer_type == "linear_attention":
-        value_dim = text.linear_value_dim
-        conv_dim = text.linear_conv_dim  # [q | k | v] channels
-        heads = text.linear_num_value_heads
-        kernel = text.linear_conv_kernel_dim
-        mixer = f"{prefix}.linear_attn"
-        specs += [
-            TensorSpec(f"{mixer}.dt_bias", (heads,), Init("dt_bias", 1e-3, 1e-1)),
-            TensorSpec(f"{mixer}.A_log", (heads,), Init("log_uniform", 1.0, 16.0)),
-            TensorSpec(f"{mixer}.conv1d.weight", (conv_dim, 1, kernel), Init.normal(1 / math.sqrt(kernel))),
-            TensorSpec(f"{mixer}.norm.weight", (text.linear_value_head_dim,), UNIT_NORM),
-            _linear(f"{mixer}.out_proj.weight", d, value_dim, residual_gain),
-            _linear(f"{mixer}.in_proj_qkv.weight", conv_dim, d),
-            _linear(f"{mixer}.in_proj_z.weight", value_dim, d),
-            _linear(f"{mixer}.in_proj_b.weight", heads, d),
-            _linear(f"{mixer}.in_proj_a.weight", heads, d),
-        ]
-    elif layer_type == "full_attention":
-        q_dim = text.num_attention_heads * text.head_dim
-        kv_dim = text.num_key_value_heads * text.head_dim
-        mixer = f"{prefix}.self_attn"
-        specs += [
-            _linear(f"{mixer}.q_proj.weight", 2 * q_dim, d),  # per head: [query | output gate]
-            _linear(f"{mixer}.k_proj.weight", kv_dim, d),
-            _linear(f"{mixer}.v_proj.weight", kv_dim, d),
-            _linear(f"{mixer}.o_proj.weight", d, q_dim, residual_gain),
-            TensorSpec(f"{mixer}.q_norm.weight", (text.head_dim,), NORM_OFFSET),
-            TensorSpec(f"{mixer}.k_norm.weight", (text.head_dim,), NORM_OFFSET),
-        ]
-    else:
-        raise ValueError(f"unknown layer type {layer_type!r}")
-    specs += [
-        _linear(f"{prefix}.mlp.gate_proj.weight", text.intermediate_size, d),
-        _linear(f"{prefix}.mlp.up_proj.weight", text.intermediate_size, d),
-        _linear(f"{prefix}.mlp.down_proj.weight", d, text.intermediate_size, residual_gain),
-        TensorSpec(f"{prefix}.input_layernorm.weight", (d,), layer_norm),
-        TensorSpec(f"{prefix}.post_attention_layernorm.weight", (d,), layer_norm),
-    ]
+    """Every tensor of a meta-built module, named `prefix` + its state_dict name, in state_dict order
+    (a module's own parameters and buffers, then its children's)."""
+    specs = []
+    for module_name, owner in module.named_modules():
+        for leaf, tensor in [*owner.named_parameters(recurse=False), *owner.named_buffers(recurse=False)]:
+            name, shape = prefix + (f"{module_name}.{leaf}" if module_name else leaf), tuple(tensor.shape)
+            specs.append(TensorSpec(name, shape, _init(name, type(owner), shape, residual_gain=residual_gain, layer_norm=layer_norm)))
     return specs
 
 
-def _vision_tower(vision: VisionConfig, out_hidden_size: int) -> list[TensorSpec]:
-    h = vision.hidden_size
-    patch = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
-    merged = h * vision.spatial_merge_size**2
-    specs = [
-        TensorSpec(
-            "model.visual.patch_embed.proj.weight",
-            (h, vision.in_channels, vision.temporal_patch_size, vision.patch_size, vision.patch_size),
-            Init.normal(1 / math.sqrt(patch)),
-        ),
-        TensorSpec("model.visual.patch_embed.proj.bias", (h,), BIAS),
-        TensorSpec("model.visual.pos_embed.weight", (vision.num_position_embeddings, h), Init.normal(0.02)),
-    ]
-    for index in range(vision.depth):
-        block = f"model.visual.blocks.{index}"
-        specs += [
-            TensorSpec(f"{block}.norm1.weight", (h,), UNIT_NORM),
-            TensorSpec(f"{block}.norm1.bias", (h,), BIAS),
-            TensorSpec(f"{block}.norm2.weight", (h,), UNIT_NORM),
-            TensorSpec(f"{block}.norm2.bias", (h,), BIAS),
-            _linear(f"{block}.attn.qkv.weight", 3 * h, h),
-            TensorSpec(f"{block}.attn.qkv.bias", (3 * h,), BIAS),
-            _linear(f"{block}.attn.proj.weight", h, h),
-            TensorSpec(f"{block}.attn.proj.bias", (h,), BIAS),
-            _linear(f"{block}.mlp.linear_fc1.weight", vision.intermediate_size, h),
-            TensorSpec(f"{block}.mlp.linear_fc1.bias", (vision.intermediate_size,), BIAS),
-            _linear(f"{block}.mlp.linear_fc2.weight", h, vision.intermediate_size),
-            TensorSpec(f"{block}.mlp.linear_fc2.bias", (h,), BIAS),
-        ]
-    specs += [
-        TensorSpec("model.visual.merger.norm.weight", (h,), UNIT_NORM),
-        TensorSpec("model.visual.merger.norm.bias", (h,), BIAS),
-        _linear("model.visual.merger.linear_fc1.weight", merged, merged),
-        TensorSpec("model.visual.merger.linear_fc1.bias", (merged,), BIAS),
-        _linear("model.visual.merger.linear_fc2.weight", out_hidden_size, merged),
-        TensorSpec("model.visual.merger.linear_fc2.bias", (out_hidden_size,), BIAS),
-    ]
-    return specs
+class _VisionTower(nn.Module):
+    """The names and shapes of `Qwen3_5VisionModel` (the runtime is text-only and skips `model.visual.*`)."""
+
+    def __init__(self, vision: VisionConfig, out_hidden_size: int):
+        super().__init__()
+        h, kernel = vision.hidden_size, (vision.temporal_patch_size, vision.patch_size, vision.patch_size)
+        merged = h * vision.spatial_merge_size**2
+        self.patch_embed = nn.Module()
+        self.patch_embed.proj = nn.Conv3d(vision.in_channels, h, kernel, stride=kernel)
+        self.pos_embed = nn.Embedding(vision.num_position_embeddings, h)
+        self.blocks = nn.ModuleList(_VisionBlock(h, vision.intermediate_size) for _ in range(vision.depth))
+        self.merger = nn.Module()
+        self.merger.norm = nn.LayerNorm(h)
+        self.merger.linear_fc1 = nn.Linear(merged, merged)
+        self.merger.linear_fc2 = nn.Linear(merged, out_hidden_size)
+
+
+class _VisionBlock(nn.Module):
+    def __init__(self, h: int, intermediate: int):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(h), nn.LayerNorm(h)
+        self.attn = nn.Module()
+        self.attn.qkv, self.attn.proj = nn.Linear(h, 3 * h), nn.Linear(h, h)
+        self.mlp = nn.Module()
+        self.mlp.linear_fc1, self.mlp.linear_fc2 = nn.Linear(h, intermediate), nn.Linear(intermediate, h)
+
+
+class _MultiTokenPrediction(nn.Module):
+    """Qwen3.5's multi-token-prediction block under `mtp.` (as vLLM reads it; transformers ignores it)."""
+
+    def __init__(self, text: TextConfig, layers: int):
+        super().__init__()
+        d = text.hidden_size
+        self.fc = nn.Linear(2 * d, d, bias=False)
+        self.layers = nn.ModuleList(DecoderLayer(text, "full_attention") for _ in range(layers))
+        self.norm = RMSNorm(d, text.rms_norm_eps)
+        self.pre_fc_norm_embedding = RMSNorm(d, text.rms_norm_eps)
+        self.pre_fc_norm_hidden = RMSNorm(d, text.rms_norm_eps)
 
 
 def tensor_table(config: str | RandomConfig, *, mtp: bool = True) -> list[TensorSpec]:
@@ -372,95 +358,32 @@ def tensor_table(config: str | RandomConfig, *, mtp: bool = True) -> list[Tensor
     `Qwen3_5ForConditionalGeneration.state_dict()` (which fixes how shards are cut), then `mtp.*`."""
     config = resolve_config(config)
     text = config.text
-    d = text.hidden_size
     # Each layer adds two residual branches; 1/sqrt(2·layers) keeps the stream O(1) at any depth.
     residual_gain = 1 / math.sqrt(2 * text.num_hidden_layers)
-    specs = _vision_tower(config.vision, d)
-    # Unit-variance input embeddings: the residual stream starts O(1), like the layers' outputs.
-    specs.append(TensorSpec("model.language_model.embed_tokens.weight", (text.vocab_size, d), Init.normal(1.0)))
     layer_norm = NORM_OFFSET
     if config.outlier_channels:
         layer_norm = Init("norm_outliers", NORM_OFFSET.b, config.outlier_gain, config.outlier_channels)
-    for index, layer_type in enumerate(text.layer_types):
-        specs += _decoder_layer(f"model.language_model.layers.{index}", text, layer_type, residual_gain, layer_norm)
-    specs.append(TensorSpec("model.language_model.norm.weight", (d,), NORM_OFFSET))
+    with torch.device("meta"):
+        vision = _VisionTower(config.vision, text.hidden_size)
+        decoder = Qwen35Decoder(text)
+        lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
+        multi_token = _MultiTokenPrediction(text, config.mtp_layers) if mtp else None
     # Output embeddings N(0, 1/D): logits of a unit hidden state are O(1); the head reads these rows raw.
-    specs.append(TensorSpec("lm_head.weight", (text.vocab_size, d), Init.normal(1 / math.sqrt(d))))
-    if mtp:
-        # Qwen3.5's multi-token-prediction block (as vLLM reads it); transformers ignores `mtp.*`.
-        specs.append(_linear("mtp.fc.weight", d, 2 * d))
-        for index in range(config.mtp_layers):
-            specs += _decoder_layer(f"mtp.layers.{index}", text, "full_attention", residual_gain)
-        specs += [
-            TensorSpec("mtp.norm.weight", (d,), NORM_OFFSET),
-            TensorSpec("mtp.pre_fc_norm_embedding.weight", (d,), NORM_OFFSET),
-            TensorSpec("mtp.pre_fc_norm_hidden.weight", (d,), NORM_OFFSET),
-        ]
+    specs = _module_table(vision, VISION_PREFIX)
+    specs += _module_table(decoder, DECODER_PREFIX, residual_gain=residual_gain, layer_norm=layer_norm)
+    specs += _module_table(lm_head, LM_HEAD.removesuffix("weight"))
+    if multi_token is not None:
+        specs += _module_table(multi_token, MTP_PREFIX, residual_gain=residual_gain)
     return specs
-
-
-# Non-zero head scalars (zeros, the reference's init, would switch the joint path off), small
-# enough that random answers are not saturated: gate sigmoid(0.5) = 0.62, joint scale e^1, prior e^-0.5.
-HEAD_SCALARS = {"prior_logit_scale": -0.5, "joint_logit_scale": 1.0, "residual_gate": 0.5}
-
-
-def _layer_norm(name: str, width: int) -> list[TensorSpec]:
-    return [TensorSpec(f"{name}.weight", (width,), UNIT_NORM), TensorSpec(f"{name}.bias", (width,), BIAS)]
-
-
-def _multihead_attention(name: str, width: int) -> list[TensorSpec]:
-    """torch.nn.MultiheadAttention's packed, biased projections."""
-    return [
-        _linear(f"{name}.in_proj_weight", 3 * width, width),
-        TensorSpec(f"{name}.in_proj_bias", (3 * width,), BIAS),
-        _linear(f"{name}.out_proj.weight", width, width),
-        TensorSpec(f"{name}.out_proj.bias", (width,), BIAS),
-    ]
-
-
-def _biased_linear(name: str, out_features: int, in_features: int) -> list[TensorSpec]:
-    return [_linear(f"{name}.weight", out_features, in_features), TensorSpec(f"{name}.bias", (out_features,), BIAS)]
 
 
 def head_tensor_table(config: str | RandomConfig) -> list[TensorSpec]:
     """Every tensor of `joint_head.safetensors`, named and ordered as the reference
-    `JointSchemaHead(**config).state_dict()` (SPEC §5)."""
+    `JointSchemaHead(**config).state_dict()` (SPEC §5): the runtime's `JointHead`, which loads it strictly."""
     config = resolve_config(config)
-    d = config.text.hidden_size
-    w, ff = config.head.width, config.head.feedforward
-    # The head's own parameters come before its submodules' in state_dict().
-    specs = [TensorSpec(name, (), Init("constant", value)) for name, value in HEAD_SCALARS.items()]
-    specs += _layer_norm("hidden_norm", d)
-    for name in (
-        "memory_projection", "question_projection", "option_question_projection",
-        "global_projection", "option_context_projection",
-    ):
-        specs.append(_linear(f"{name}.weight", w, d))
-    # Its input is a mean of lm_head rows (rms 1/sqrt(D), see tensor_table): unit std keeps it O(1).
-    specs.append(TensorSpec("option_lexical_projection.weight", (w, d), Init.normal(1.0)))
-    specs.append(TensorSpec("type_embedding.weight", (3, w), Init.normal(1.0)))
-    for index in range(config.head.routing_layers):
-        layer = f"evidence_layers.{index}"
-        specs += _layer_norm(f"{layer}.query_norm", w)
-        specs += _layer_norm(f"{layer}.memory_norm", w)
-        specs += _multihead_attention(f"{layer}.attention", w)
-        specs += _layer_norm(f"{layer}.feedforward_norm", w)
-        specs += _biased_linear(f"{layer}.feedforward.0", ff, w)
-        specs += _biased_linear(f"{layer}.feedforward.3", w, ff)
-    specs += _layer_norm("option_summary_norm", w)
-    for index in range(config.head.layers):
-        layer = f"layers.{index}"  # torch.nn.TransformerDecoderLayer, norm_first
-        specs += _multihead_attention(f"{layer}.self_attn", w)
-        specs += _multihead_attention(f"{layer}.multihead_attn", w)
-        specs += _biased_linear(f"{layer}.linear1", ff, w)
-        specs += _biased_linear(f"{layer}.linear2", w, ff)
-        for norm in ("norm1", "norm2", "norm3"):
-            specs += _layer_norm(f"{layer}.{norm}", w)
-    specs += _layer_norm("field_norm", w)
-    specs += _layer_norm("option_norm", w)
-    specs += _biased_linear("residual_scorer.0", w, 4 * w)
-    specs += _biased_linear("residual_scorer.3", 1, w)
-    return specs
+    with torch.device("meta"):
+        head = JointHead(config.head)
+    return _module_table(head)
 
 
 # ---------------------------------------------------------------------------------------------

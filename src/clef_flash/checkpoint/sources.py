@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -91,8 +92,10 @@ class Checkpoint:
         return datetime.datetime.fromtimestamp(stamp, datetime.timezone.utc).date().isoformat()
 
 
-def open_release(root: Path, *, source: str | None = None) -> Checkpoint:
-    """A release directory (SPEC §2), its tensors memory-mapped."""
+def open_release(
+    root: Path, *, source: str | None = None, files: Callable[[list[Path]], TensorSource] = SafetensorsFiles
+) -> Checkpoint:
+    """A release directory (SPEC §2), its tensors memory-mapped (or read by `files`, e.g. streamed)."""
     config = read_json(root / "config.json")
     head_config = read_json(root / HEAD_CONFIG)
     for name in ("tokenizer.json", HEAD_WEIGHTS):
@@ -105,8 +108,8 @@ def open_release(root: Path, *, source: str | None = None) -> Checkpoint:
         config=config,
         head_config=head_config,
         tokenizer_file=root / "tokenizer.json",
-        tensors=SafetensorsFiles(release_files(root)),
-        head_tensors=SafetensorsFiles([root / HEAD_WEIGHTS]),
+        tensors=files(release_files(root)),
+        head_tensors=files([root / HEAD_WEIGHTS]),
     )
 
 

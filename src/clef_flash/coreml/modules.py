@@ -13,12 +13,13 @@ import torch
 from torch import nn
 
 from ..checkpoint import Checkpoint
-from ..checkpoint.loading import DECODER_PREFIX, fill_module, meta_modules
+from ..checkpoint.loading import fill_module, meta_modules
+from ..checkpoint.names import DECODER_PREFIX, outlier_counts
 from ..checkpoint.quant import Int8Linear, dequantize, replace_linears
 from ..model.config import TextConfig
 from ..model.export import ExportHead, ExportLinear, ExportPart
 from ..model.joint_head import HeadConfig, JointHead
-from ..model.precision import EXPORT_DTYPE, OUTLIER_CHANNELS, PRECISIONS, WEIGHT_ONLY
+from ..model.precision import EXPORT_DTYPE, PRECISIONS, WEIGHT_ONLY
 from ..model.qwen3_5 import DecoderLayer, RMSNorm
 
 CPU = torch.device("cpu")
@@ -39,13 +40,7 @@ def build_part(checkpoint: Checkpoint, config: TextConfig, layers: Sequence[int]
     tensors = checkpoint.tensors
     precision = PRECISIONS["int8-weight-only" if checkpoint.stored_int8 else "fp32"]
     if checkpoint.stored_int8:
-        suffix = "." + OUTLIER_CHANNELS
-        outliers = {
-            name[len(DECODER_PREFIX) : -len(suffix)]: tensors.shape(name)[0]
-            for name in tensors.keys()
-            if name.startswith(DECODER_PREFIX) and name.endswith(suffix)
-        }
-        replace_linears(part, WEIGHT_ONLY, outliers=outliers)
+        replace_linears(part, WEIGHT_ONLY, outliers=outlier_counts(tensors))
     fill_module(
         part,
         ((name, tensors.get(DECODER_PREFIX + name)) for name in part.state_dict()),

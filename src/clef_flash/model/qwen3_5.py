@@ -2,7 +2,8 @@
 
 Hybrid layers: Gated DeltaNet (`linear_attention`) and gated full attention (`full_attention`), each followed by
 a SwiGLU MLP, pre-norm with (1+w) RMSNorms. Parameter names are exactly the checkpoint names under
-`model.language_model.`, so a loader fills the model by name:
+`model.language_model.` (checkpoint/names.py), in the checkpoint's order, so a loader fills the model by name
+and random releases are drawn from these modules (checkpoint/random_release.py):
 
     with torch.device("meta"):
         decoder = Qwen35Decoder(config)
@@ -348,15 +349,16 @@ class GatedDeltaNet(nn.Module):
         self.key_dim = config.linear_key_dim
         self.value_dim = config.linear_value_dim
         conv_dim = config.linear_conv_dim
+        # Registered in the checkpoint's order (transformers' state_dict), which fixes how shards are cut.
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.conv1d = ShortConv(conv_dim, config.linear_conv_kernel_dim)
+        self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, D, bias=False)
         self.in_proj_qkv = nn.Linear(D, conv_dim, bias=False)  # channels [q | k | v], head-major
         self.in_proj_z = nn.Linear(D, self.value_dim, bias=False)
         self.in_proj_b = nn.Linear(D, self.num_v_heads, bias=False)
         self.in_proj_a = nn.Linear(D, self.num_v_heads, bias=False)
-        self.conv1d = ShortConv(conv_dim, config.linear_conv_kernel_dim)
-        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
-        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
-        self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
-        self.out_proj = nn.Linear(self.value_dim, D, bias=False)
 
     def forward(
         self, x: torch.Tensor, rows: Rows, state: DeltaNetState | None = None, return_state: bool = False
@@ -407,9 +409,9 @@ class DecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(config)
         else:
             self.self_attn = GatedAttention(config)
+        self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
 
     def forward(self, x, cos, sin, rows: Rows, state=None, return_state=False):
         h = self.input_layernorm(x)

@@ -14,6 +14,7 @@ from functools import lru_cache
 from typing import Any, Mapping
 
 from ..errors import RecordTooLong, RequestInvalid
+from .protocol import QUESTION_TYPES
 from .tokenizer import Tokenizer
 
 SYSTEM_PROMPT = (
@@ -27,7 +28,6 @@ OPTION_END = "\n"
 FIELD_END = "END FIELD\n"
 SUFFIX = "\n<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nJOINT SCHEMA DECISIONS:"
 
-QUESTION_TYPES = {"noul": 0, "choice": 1, "score": 2}
 NOUL_DEFAULTS = {
     "true": "The proposition is true or the answer is yes.",
     "false": "The proposition is false or the answer is no.",
