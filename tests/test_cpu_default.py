@@ -39,6 +39,7 @@ class FakeRates:
     int8: float
     int8_kernel: str | None = INT_MM
     excluded: dict = None
+    fp16_packed: float = 0.0
 
 
 # -- the choice ---------------------------------------------------------------------------------------
@@ -290,3 +291,82 @@ def test_calibrated_w8a8_agrees_on_the_outlier_release(calibrated_bundle, outlie
     print(f"median |dp| vs fp32: {medians}; decisions differing: {flips}")
     assert medians["calibrated"] < medians["plain"] / 2
     assert flips["calibrated"] <= flips["plain"]
+
+
+# -- every memory size, every CPU (issue 25) -----------------------------------------------------------------
+
+
+NINE_B = 8_950_000_000  # the 9B decoder's parameters, output embeddings aside
+GIB = 1 << 30
+
+
+@pytest.mark.parametrize(
+    ("rates", "memory_gib", "expected", "left_out"),
+    [
+        (FakeRates(fp32=120, bf16=20, int8=300, fp16_packed=125), 23, "int8-weight-only", ["fp32 33.3"]),  # AVX2: bf16 fits, slower
+        (FakeRates(fp32=300, bf16=1900, int8=3000, fp16_packed=80), 23, "bf16", ["fp32 33.3"]),  # AMX: bf16 fits
+        (FakeRates(fp32=300, bf16=1900, int8=3000, fp16_packed=80), 64, "bf16", []),
+        (FakeRates(fp32=120, bf16=20, int8=300, fp16_packed=125), 64, "fp32", []),
+    ],
+)
+def test_a_release_default_always_fits_the_memory(rates, memory_gib, expected, left_out):
+    chosen = choose_precision(CPU, stored_int8=False, calibrated=False, rates=lambda: rates, parameters=NINE_B, memory_bytes=memory_gib * GIB)
+    print(f"{memory_gib} GiB: {chosen.name} ({chosen.reason})")
+    assert chosen.name == expected
+    for item in left_out:
+        assert item in chosen.reason
+    assert ("too big for memory" in chosen.reason) == bool(left_out)
+
+
+def test_nothing_fitting_is_one_line_with_the_sizes():
+    rates = FakeRates(fp32=120, bf16=20, int8=300, fp16_packed=125)
+    with pytest.raises(ValueError, match=r"no qualified precision fits .*int8-weight-only 8\.3 GiB of weights, 3\.2 GiB usable"):
+        choose_precision(CPU, stored_int8=False, calibrated=False, rates=lambda: rates, parameters=NINE_B, memory_bytes=4 * GIB)
+
+
+def test_load_quantizes_a_release_that_does_not_fit_dense(tiny_dir, monkeypatch):
+    monkeypatch.delenv("CLEF_FLASH_PRECISION", raising=False)
+    parameters = clef_flash.plan.decoder_parameters(clef_flash.checkpoint.open_checkpoint(tiny_dir))
+    room = int(parameters * 1.5 / 0.8)  # int8 fits, no dense copy does
+    monkeypatch.setattr(clef_flash.plan, "available_memory_bytes", lambda: room)
+    model = clef_flash.load(tiny_dir, device="cpu")
+    assert model.precision == "int8-weight-only" and "too big for memory" in model.plan.reason
+    assert 0 <= model.answer({"state": "hi", "questions": {"u": {"type": "noul"}}})["answers"]["u"]["noul"] <= 1
+
+
+def test_w8a8_weight_only_projections_are_never_an_fp32_copy():
+    from clef_flash.model.precision import BF16, PACKED_FP16, dense_dtype_for
+
+    assert dense_dtype_for(FakeRates(fp32=300, bf16=1900, int8=3000, fp16_packed=80)) == BF16
+    assert dense_dtype_for(FakeRates(fp32=120, bf16=20, int8=300, fp16_packed=125)) == PACKED_FP16
+    assert dense_dtype_for(FakeRates(fp32=120, bf16=20, int8=300, fp16_packed=0.0)) is None  # tile by tile
+
+
+def test_fbgemm_ops_are_there_on_x86():
+    """FBGEMM's ops are called directly (torch.ao's Python flows are deprecated): fail loudly if a torch upgrade
+    drops one, rather than the probe quietly falling back."""
+    import platform
+
+    from clef_flash.checkpoint.w8a8 import fp16_packed_available
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        assert not W8A8_KERNELS["fbgemm"].available() or fp16_packed_available()
+        return
+    for op in ("linear_prepack", "linear_dynamic", "linear_prepack_fp16", "linear_dynamic_fp16"):
+        assert hasattr(torch.ops.quantized, op), op
+    assert W8A8_KERNELS["fbgemm"].available() and fp16_packed_available()
+
+
+def test_the_fp16_packed_weight_only_projection_is_fp32_arithmetic_on_fp16_storage():
+    from clef_flash.checkpoint.quant import dequantize
+    from clef_flash.model.precision import PACKED_FP16
+
+    generator = torch.Generator().manual_seed(3)
+    q, scale = quantize_per_channel(torch.randn(48, 80, generator=generator))
+    x = torch.randn(9, 80, generator=generator) * 4
+    linear = Int8Linear(80, 48, "weight-only", dense_dtype=PACKED_FP16)
+    linear.load_state_dict({"weight": q, "weight_scale": scale})
+    exact = x.double() @ dequantize(q, scale).double().t()
+    error = ((linear(x).double() - exact).abs().max() / exact.abs().max()).item()
+    print(f"fp16-packed weight-only vs dequantized fp64: {error:.1e}")
+    assert linear(x).dtype == torch.float32 and error < 2e-3  # fp16 rounding of the weights (2^-11), no fp16 math

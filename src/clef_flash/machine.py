@@ -26,11 +26,11 @@ from pathlib import Path
 import torch
 
 from .checkpoint.quant import quantize_per_channel
-from .checkpoint.w8a8 import W8A8_KERNELS, exactness_error
+from .checkpoint.w8a8 import W8A8_KERNELS, exactness_error, fp16_pack, fp16_packed_available, fp16_packed_linear
 from .checkpoint.vocab import cache_dir
 from .model.precision import BF16
 
-PROBE_VERSION = 2  # 2: kernels qualified on exactness first; the rates of every kernel, the excluded ones
+PROBE_VERSION = 3  # 2: kernels qualified on exactness first; the rates of every kernel, the excluded ones; 3: fp16_packed
 ISA_LIMITS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "FBGEMM_ENABLE_INSTRUCTIONS")  # env caps on kernels
 PROBE_SHAPE = (256, 4096, 4096)  # tokens, in features, out features
 FEATURE_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
@@ -46,6 +46,7 @@ class Rates:
     int8_kernel: str | None  # which one (checkpoint/w8a8.py); None: no kernel is exact on this machine
     kernels: dict[str, float] = field(default_factory=dict)  # every exact kernel's G(OP)/s
     excluded: dict[str, str] = field(default_factory=dict)  # kernel -> why it never runs here
+    fp16_packed: float = 0.0  # FBGEMM's fp16-packed linear (fp32 arithmetic); 0.0: not in this torch build
 
 
 @dataclass(frozen=True)
@@ -136,7 +137,12 @@ def measure(repeats: int = 3, shape: tuple[int, int, int] = PROBE_SHAPE) -> Rate
         else:
             kernels[kernel.name] = small  # a reference loop: exact, usable when forced, never the default
     best = max(kernels, key=kernels.get) if kernels else None
+    fp16_packed = 0.0
+    if fp16_packed_available():
+        packed16 = fp16_pack(weight)
+        fp16_packed = rate(lambda: fp16_packed_linear(x, packed16))
     return Rates(
+        fp16_packed=fp16_packed,
         fp32=fp32,
         bf16=rate(lambda: x16 @ weight16.t()),
         int8=kernels.get(best, 0.0),
@@ -188,6 +194,7 @@ def describe(machine: Machine, measured: Rates) -> dict:
             "int8_kernel": measured.int8_kernel,
             "int8_kernels_gops": {name: round(value, 1) for name, value in measured.kernels.items()},
             "int8_excluded": measured.excluded,
+            "fp16_packed_gflops": round(measured.fp16_packed, 1),
         },
     }
 
@@ -197,3 +204,18 @@ def peak_rss_mb() -> float:
     """This process's peak resident memory so far, in MiB."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / 2**20 if sys.platform == "darwin" else peak / 1024  # bytes on macOS, KiB on Linux
+
+
+def available_memory_bytes() -> int | None:
+    """Memory a new model may take now: MemAvailable from /proc/meminfo (Linux), else the physical memory;
+    None where neither is known."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None

@@ -12,15 +12,26 @@ and qualifies it); a new backend is a `backend` name here and a class in engine/
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
+from .checkpoint.names import LM_HEAD
 from .errors import ClefError
+from .machine import available_memory_bytes
 from .machine import rates as machine_rates
-from .model.precision import COREML, COREML_PRECISION, W8A8, Plan, dense_dtype_for, resolve_precision, w8a8_kernel
+from .model.precision import COREML, COREML_PRECISION, W8A8, Plan, dense_dtype_for, is_scale, resolve_precision, w8a8_kernel
 
 __all__ = ["Plan", "coreml_plan", "resolve"]
+
+
+def decoder_parameters(checkpoint: Any) -> int | None:
+    """The decoder's parameters (the output embeddings aside: their rows are gathered, never held whole)."""
+    tensors = checkpoint.tensors
+    if tensors is None:
+        return None
+    return sum(math.prod(tensors.shape(name)) for name in tensors.keys() if name != LM_HEAD and not is_scale(name))
 
 
 def resolve(checkpoint: Any, device: torch.device, requested: str | None) -> Plan:
@@ -28,7 +39,13 @@ def resolve(checkpoint: Any, device: torch.device, requested: str | None) -> Pla
     `requested`, else $CLEF_FLASH_PRECISION, else the fastest qualified path on this machine."""
     try:
         precision = resolve_precision(
-            requested, device, stored_int8=checkpoint.stored_int8, calibrated=checkpoint.calibrated, rates=machine_rates
+            requested,
+            device,
+            stored_int8=checkpoint.stored_int8,
+            calibrated=checkpoint.calibrated,
+            rates=machine_rates,
+            parameters=decoder_parameters(checkpoint),
+            memory_bytes=available_memory_bytes() if device.type == "cpu" else None,
         )
     except ValueError as exc:
         raise ClefError(f"{checkpoint.where} {exc}" if checkpoint.stored_int8 else str(exc)) from None

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from .safetensors_io import release_pages
-from .w8a8 import INT_MM, W8A8_KERNELS
+from .w8a8 import INT_MM, W8A8_KERNELS, fp16_pack, fp16_packed_linear
 
 from ..model.precision import (
     FP32,
@@ -36,6 +36,7 @@ from ..model.precision import (
     OUTLIER_CHANNELS,
     OUTLIER_DTYPE,
     OUTLIER_WEIGHT,
+    PACKED_FP16,
     SCALE_DTYPE,
     SCALE_SUFFIX,
     W8A8,
@@ -102,8 +103,9 @@ class Int8Linear(nn.Module):
         if kernel not in W8A8_KERNELS:
             raise ValueError(f"unknown W8A8 kernel {kernel!r}: use one of {', '.join(W8A8_KERNELS)}")
         self.in_features, self.out_features, self.mode, self.kernel = in_features, out_features, mode, kernel
-        # Weight-only with a `dense_dtype` (W8A8's gated-product projections on a CPU with fast bf16): the weight is
-        # dequantized once into that dtype and kept (dequantizing per forward cost more than the product);
+        # Weight-only with a `dense_dtype` (W8A8's gated-product projections): the weight is dequantized once into
+        # that 2-byte form and kept (dequantizing per forward cost more than the product): bf16 where the CPU is
+        # fast at it, else FBGEMM's fp16-packed weights with fp32 arithmetic (precision.PACKED_FP16);
         # None: dequantized tile by tile on every forward, in x's dtype (int8-weight-only: memory stays 1 byte/weight).
         self.dense_dtype = dense_dtype
         self._prepared: Any = None  # the weight packed for the W8A8 kernel, or dequantized to dense_dtype
@@ -119,6 +121,9 @@ class Int8Linear(nn.Module):
         if self.mode == WEIGHT_ONLY:
             if self.dense_dtype is None:
                 out = weight_only_linear(x2d, self.weight, self.weight_scale).float()  # outlier columns of q are 0
+            elif self.dense_dtype == PACKED_FP16 and x.device.type == "cpu":  # FBGEMM: fp16 storage, fp32 math
+                packed = self._prepare(lambda weight: fp16_pack(dequantize(weight, self.weight_scale, FP32)))
+                out = fp16_packed_linear(x2d.float(), packed)
             else:
                 dense = self._prepare(lambda weight: dequantize(weight, self.weight_scale, self.dense_dtype))  # [O, I]
                 out = (x2d.to(self.dense_dtype) @ dense.t()).float()

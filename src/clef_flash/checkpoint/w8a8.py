@@ -153,3 +153,20 @@ def exactness_error(kernel: W8A8Kernel) -> float:
     except (RuntimeError, NotImplementedError):
         return float("inf")
     return (got.double() - exact).abs().max().item()
+
+
+# -- FBGEMM's fp16-packed dense linear: 2 bytes a weight, fp32 arithmetic (W8A8's weight-only projections) ----
+
+
+def fp16_packed_available() -> bool:
+    return _fbgemm_available() and hasattr(torch.ops.quantized, "linear_dynamic_fp16")
+
+
+def fp16_pack(weight: torch.Tensor) -> Any:
+    """fp32 [O, I] -> FBGEMM's packed fp16 weight (opaque); the fp32 input is not kept."""
+    return torch.ops.quantized.linear_prepack_fp16(weight, None)
+
+
+def fp16_packed_linear(x2d: torch.Tensor, packed: Any) -> torch.Tensor:
+    """x [M, I] (fp32) @ the packed weight.T -> fp32 [M, O]; the weights widen to fp32 inside the kernel."""
+    return torch.ops.quantized.linear_dynamic_fp16(x2d, packed)

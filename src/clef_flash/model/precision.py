@@ -231,7 +231,9 @@ class Plan:
 # Qualified: agrees with fp32 at least as well as the reference's own bf16 path (no more decisions
 # differing, median |dp| at most 2x its) on the plain and the outlier-injected random releases
 # (benchmarks/agreement.py; README "Numbers"). Per-token W8A8 without calibrated outlier channels fails on outliers.
-QUALIFIED_RELEASE = ("fp32", "bf16")
+# A release may also run int8 weight-only, quantized while loading: the same numbers as an uncalibrated bundle,
+# qualified as one; the default takes it only where a dense copy does not fit in memory (it is slower than fp32).
+QUALIFIED_RELEASE = ("fp32", "bf16", "int8-weight-only")
 QUALIFIED_BUNDLE = ("int8-weight-only",)
 QUALIFIED_CALIBRATED_BUNDLE = ("int8-w8a8", "int8-weight-only")
 W8A8_INT8_SHARE = 0.69  # of a 9B layer block's projection FLOPs, those W8A8 runs in int8 (the rest: W8A8_WEIGHT_ONLY)
@@ -247,11 +249,26 @@ class Rates(Protocol):
     int8: float
     int8_kernel: str | None  # the fastest exact W8A8 kernel; None: none is exact on this machine
     excluded: dict[str, str]
+    fp16_packed: float  # FBGEMM's fp16-packed linear (fp32 arithmetic, 2 bytes a weight); 0.0: not in this build
 
 
-def dense_dtype_for(rates: Rates) -> torch.dtype:
-    """W8A8's weight-only projections run in bf16 where the CPU multiplies bf16 fast (AMX, AVX-512 BF16)."""
-    return BF16 if rates.bf16 > 2 * rates.fp32 else FP32
+# W8A8's weight-only projections (W8A8_WEIGHT_ONLY) hold their weight once in a 2-byte form: bf16 where the
+# CPU multiplies bf16 fast (AMX, AVX-512 BF16); elsewhere FBGEMM's fp16-packed weights with fp32 arithmetic
+# (PACKED_FP16: fp16 is only the storage, never the arithmetic); without FBGEMM, int8 dequantized tile by tile.
+PACKED_FP16 = FP16
+
+
+def dense_dtype_for(rates: Rates) -> torch.dtype | None:
+    """The form of W8A8's weight-only projections on this CPU (see PACKED_FP16); never an fp32 copy."""
+    if rates.bf16 > 2 * rates.fp32:
+        return BF16
+    return PACKED_FP16 if rates.fp16_packed > 0 else None
+
+
+# Bytes a decoder parameter takes in memory, by precision (int8: the weight and its scales; W8A8: its
+# weight-only share held in a 2-byte form). What the default checks against the machine's memory.
+BYTES_PER_PARAMETER = {"fp64": 8.0, "fp32": 4.0, "bf16": 2.0, "int8-weight-only": 1.0, "int8-w8a8": 1.35}
+MEMORY_SHARE = 0.8  # of the memory available when loading, what the model's weights may take
 
 
 def w8a8_rate(measured: Rates) -> float:
@@ -276,8 +293,18 @@ def qualified(*, stored_int8: bool, calibrated: bool) -> tuple[str, ...]:
     return QUALIFIED_CALIBRATED_BUNDLE if calibrated else QUALIFIED_BUNDLE
 
 
-def choose_precision(device: torch.device, *, stored_int8: bool, calibrated: bool, rates: Callable[[], Rates]) -> Precision:
-    """The fastest qualified precision: on CUDA bf16 (or an 8-bit bundle's weight-only); on a CPU by the probe."""
+def choose_precision(
+    device: torch.device,
+    *,
+    stored_int8: bool,
+    calibrated: bool,
+    rates: Callable[[], Rates],
+    parameters: int | None = None,
+    memory_bytes: int | None = None,
+) -> Precision:
+    """The fastest qualified precision that fits: on CUDA bf16 (or an 8-bit bundle's weight-only); on a CPU
+    by the probe, among those whose weights (`parameters` x BYTES_PER_PARAMETER) fit in MEMORY_SHARE of
+    `memory_bytes` (None: no bound). Nothing fitting is a one-line error with the sizes."""
     candidates = qualified(stored_int8=stored_int8, calibrated=calibrated)
     if device.type != "cpu":
         name = "bf16" if not stored_int8 else "int8-weight-only"
@@ -290,10 +317,24 @@ def choose_precision(device: torch.device, *, stored_int8: bool, calibrated: boo
         "int8-w8a8": w8a8_rate(measured),
         "int8-weight-only": measured.fp32 / WEIGHT_ONLY_OVERHEAD,
     }
-    best = max(candidates, key=lambda name: (rate[name], -candidates.index(name)))
+    needs = {name: (parameters or 0) * BYTES_PER_PARAMETER[name] for name in candidates}
+    room = None if memory_bytes is None or not parameters else MEMORY_SHARE * memory_bytes
+    fitting_ones = [name for name in candidates if room is None or needs[name] <= room]
+    if not fitting_ones:
+        sizes = ", ".join(f"{name} {needs[name] / 2**30:.1f} GiB" for name in candidates)
+        raise ValueError(
+            f"no qualified precision fits this machine's memory: {sizes} of weights, {room / 2**30:.1f} GiB usable "
+            f"({MEMORY_SHARE:.0%} of {memory_bytes / 2**30:.1f} GiB available); free memory, or use a machine with more"
+        )
+    best = max(fitting_ones, key=lambda name: (rate[name], -candidates.index(name)))
     figures = ", ".join(f"{name} {rate[name]:.0f}" for name in candidates)
     kernel = f" ({measured.int8_kernel})" if best == "int8-w8a8" else ""
-    return PRECISIONS[best].with_reason(f"fastest qualified on this CPU{kernel}; probe G(FL)OP/s: {figures}")
+    reason = f"fastest qualified on this CPU{kernel}; probe G(FL)OP/s: {figures}"
+    left_out = [name for name in candidates if name not in fitting_ones]
+    if left_out:
+        reason += "; too big for memory: " + ", ".join(f"{name} {needs[name] / 2**30:.1f} GiB" for name in left_out)
+        reason += f" of {room / 2**30:.1f} GiB usable"
+    return PRECISIONS[best].with_reason(reason)
 
 
 def resolve_precision(
@@ -303,6 +344,8 @@ def resolve_precision(
     stored_int8: bool,
     calibrated: bool = False,
     rates: Callable[[], Rates] | None = None,
+    parameters: int | None = None,
+    memory_bytes: int | None = None,
 ) -> Precision:
     """The precision to run: `requested`, else $CLEF_FLASH_PRECISION, else the fastest qualified one
     (`rates` gives the machine's probe), checked against what the checkpoint stores."""
@@ -311,7 +354,9 @@ def resolve_precision(
     elif requested is None:
         if rates is None:
             raise ValueError("choosing a precision needs the machine's rates")
-        precision = choose_precision(device, stored_int8=stored_int8, calibrated=calibrated, rates=rates)
+        precision = choose_precision(
+            device, stored_int8=stored_int8, calibrated=calibrated, rates=rates, parameters=parameters, memory_bytes=memory_bytes
+        )
     else:
         precision = parse_precision(requested)
     if stored_int8 and not precision.quantized:
