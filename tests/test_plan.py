@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -46,3 +47,15 @@ def test_the_plan_is_what_load_builds_and_what_batch_records(tiny_dir):
     described = model.describe()["plan"]
     assert described["kernel"] == resolved.kernel and described["precision"] == "int8-w8a8" and described["reason"]
     assert plan_of(checkpoint, device="cpu", precision="fp32").kernel is None
+
+
+def test_render_is_the_facades_and_the_clis_alike(tiny_dir, tmp_path, capsys):
+    from clef_flash.cli import main
+
+    model = clef_flash.load(tiny_dir, device="cpu", precision="fp32")
+    request = {"state": "Charged twice", "questions": {"team": {"type": "choice", "criteria": {"billing": None, "eng": None}}}}
+    text = model.render(request)
+    assert "⟦Q team:" in text and "⟦O billing:" in text and "⟦O eng:" in text and text.count("⟧") == 3
+    (tmp_path / "request.json").write_text(json.dumps(request))
+    assert main(["render", str(tmp_path / "request.json"), "--model", str(tiny_dir)]) == 0
+    assert capsys.readouterr().out.strip() == text.strip()

@@ -19,7 +19,7 @@ from .engine import Engine, QuestionResult, Timings
 from .plan import Plan
 from .request.answers import shape_response
 from .request.protocol import DEFAULT_MODEL_NAME, SystemOneRequest, parse_request
-from .request.records import DEFAULT_MAX_LENGTH, EncodedRecord, encode_record
+from .request.records import DEFAULT_MAX_LENGTH, EncodedRecord, encode_record, marked_text
 from .errors import RequestInvalid
 from .state_cache import StateCache
 
@@ -149,6 +149,10 @@ class Clef:
         prepared = Prepared(parsed, self.encode(parsed, truncate_state=truncate_state))
         self.engine.backend.check(prepared.record)
         return prepared
+
+    def render(self, request: Any, *, truncate_state: bool = False) -> str:
+        """The rendered prompt with every question and option span marked (request/records.py)."""
+        return marked_text(self.tokenizer, self.encode(request, truncate_state=truncate_state))
 
     def respond(self, prepared: Prepared, results: Sequence[QuestionResult], *, decimals: int | None = 4) -> dict[str, Any]:
         """The System One body of a prepared request from its scored questions."""

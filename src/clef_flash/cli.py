@@ -427,29 +427,14 @@ def engine_spec(args: argparse.Namespace, **options: Any):
 def command_render(args: argparse.Namespace) -> int:
     from .checkpoint.sources import resolve_source
     from .request.protocol import parse_request
-    from .request.records import DEFAULT_MAX_LENGTH, encode_record
+    from .request.records import DEFAULT_MAX_LENGTH, encode_record, marked_text
     from .request.tokenizer import Tokenizer
 
     request = parse_request(read_request(args))
     tokenizer = Tokenizer.from_file(resolve_source(args.model, revision=args.revision) / "tokenizer.json")
     limit = args.max_length or DEFAULT_MAX_LENGTH
     record = encode_record(tokenizer, request, max_length=limit, truncate_state=args.truncate_state)
-    ids = record.input_ids
-    marks: dict[int, list[str]] = {}
-    for question in record.questions:
-        start, end = question.question_span
-        marks.setdefault(start, []).append(f"⟦Q {question.question_id}:")
-        marks.setdefault(end, []).insert(0, "⟧")
-        for option_id, (start, end) in zip(question.option_ids, question.option_spans):
-            marks.setdefault(start, []).append(f"⟦O {option_id}:")
-            marks.setdefault(end, []).insert(0, "⟧")
-    pieces, cursor = [], 0
-    for position in sorted(marks):
-        pieces.append(tokenizer.decode(ids[cursor:position]))
-        pieces.append("".join(marks[position]))
-        cursor = position
-    pieces.append(tokenizer.decode(ids[cursor:]))
-    print("".join(pieces))
+    print(marked_text(tokenizer, record))
     cut = f" ({record.state_tokens_dropped} cut from its end)" if args.truncate_state else ""
     print(
         f"\n--- tokens: prefix {record.prefix_tokens}, state {record.state_tokens}{cut}, schema {record.schema_tokens}, "

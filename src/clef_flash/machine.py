@@ -164,14 +164,20 @@ def forget_rates(machine: Machine) -> None:
 
 @lru_cache(maxsize=None)
 def rates(machine: Machine | None = None) -> Rates:
-    """This machine's rates: from the cache file when present, else measured once and written."""
+    """This machine's rates: from the cache file when present, else measured once and written (not when
+    the load average exceeds the CPU count: a busy machine's figures are used for this process only)."""
     machine = machine or this_machine()
     path = probe_path(machine)
     try:
         return Rates(**json.loads(path.read_text())["rates"])
     except (OSError, ValueError, KeyError, TypeError):
         pass
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     measured = measure()
+    if load > (os.cpu_count() or 1):
+        # Other processes held the cores: threads that spin-wait for a descheduled peer made the kernels look
+        # up to 100x slower (seen: oneDNN's int8 at 1 GOP/s beside 3,000 quiet). Used now, never kept.
+        return measured
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         staging = path.with_name(f".{path.name}.{os.getpid()}")

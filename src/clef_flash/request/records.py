@@ -209,3 +209,24 @@ def encode_record(
         suffix_tokens=len(suffix_ids),
         state_tokens_dropped=dropped,
     )
+
+
+def marked_text(tokenizer: Tokenizer, record: EncodedRecord) -> str:
+    """The rendered record with every question span marked `⟦Q id:...⟧` and option span `⟦O id:...⟧`
+    (what `clef-flash render` shows)."""
+    ids = record.input_ids
+    marks: dict[int, list[str]] = {}
+    for question in record.questions:
+        start, end = question.question_span
+        marks.setdefault(start, []).append(f"⟦Q {question.question_id}:")
+        marks.setdefault(end, []).insert(0, "⟧")
+        for option_id, (start, end) in zip(question.option_ids, question.option_spans):
+            marks.setdefault(start, []).append(f"⟦O {option_id}:")
+            marks.setdefault(end, []).insert(0, "⟧")
+    pieces, cursor = [], 0
+    for position in sorted(marks):
+        pieces.append(tokenizer.decode(ids[cursor:position]))
+        pieces.append("".join(marks[position]))
+        cursor = position
+    pieces.append(tokenizer.decode(ids[cursor:]))
+    return "".join(pieces)
