@@ -24,17 +24,17 @@ from clef_flash.checkpoint import build_model, open_checkpoint  # noqa: E402
 from clef_flash.plan import Plan  # noqa: E402
 from clef_flash.checkpoint.quant import quantize_per_channel  # noqa: E402
 from clef_flash.checkpoint import coreml_layout as layout  # noqa: E402
-from clef_flash.coreml.export import const_name, export_coreml  # noqa: E402
+from clef_flash.coreml.export import const_name, export_coreml, fp32_ops  # noqa: E402
 from clef_flash.coreml.host import CoreMLHost  # noqa: E402
 from clef_flash.coreml.modules import build_head, build_part, part_layers  # noqa: E402
 from clef_flash.clef import Clef  # noqa: E402
 from clef_flash.errors import ModelSourceError, RequestInvalid  # noqa: E402
 from clef_flash.model.config import TextConfig  # noqa: E402
-from clef_flash.model.export import rotary_tables  # noqa: E402
+from clef_flash.model.export import FAMILIES, rotary_tables  # noqa: E402
 from clef_flash.model.head_batch import build_head_batch  # noqa: E402
 from clef_flash.model.ops.gated_delta_rule import l2norm, naive_recurrent_gated_delta_rule  # noqa: E402
 from clef_flash.model.ops.static_delta_rule import static_chunk_gated_delta_rule, unit_lower_inverse  # noqa: E402
-from clef_flash.model.precision import FP16, FP32, FP64, PRECISIONS, WEIGHT_ONLY, is_quantized  # noqa: E402
+from clef_flash.model.precision import COREML_FP32_FAMILIES, FP16, FP32, FP64, PRECISIONS, WEIGHT_ONLY, is_quantized  # noqa: E402
 
 BUCKETS = (192, 384)  # the tiny export: two functions, records of up to 384 tokens
 LAYERS_PER_PART = 2  # tiny's 4 layers as 2 parts: [linear, linear], [linear, full] + the final norm
@@ -151,6 +151,66 @@ def test_export_head_with_host_matrices_equals_the_head(tiny, exported):
         assert (logits[batch.num_options :] < -5e3).all()  # padding options carry the mask
 
 
+FAMILY_RUNS = {"tiny": (200, 256), "random:9b-heads": (100, 128)}  # tokens, bucket: small enough for fp16 on CPUs
+
+
+@pytest.mark.parametrize("source", FAMILY_RUNS)
+def test_fp16_twin_error_per_part_and_op_family(source):
+    """The twins with fp16 weights, computing in fp16 everywhere, in fp32 everywhere, each op family alone in fp16
+    (the rest fp32) and alone kept in fp32 (the rest fp16), and as shipped (COREML_FP32_FAMILIES in fp32): the error
+    after each part against our fp32 decoder's hidden states at that layer. The families that break the bar (2x
+    our bf16 decoder's error) alone in fp16 are exactly the ones the packages keep in fp32, and as shipped the twins
+    meet the bar."""
+    checkpoint = open_checkpoint(source)
+    config = TextConfig.from_release_config(checkpoint.config)
+    length, bucket = FAMILY_RUNS[source]
+    cpu = torch.device("cpu")
+    decoder = build_model(checkpoint, Plan(PRECISIONS["fp32"], cpu)).decoder
+    bf16 = build_model(checkpoint, Plan(PRECISIONS["bf16"], cpu)).decoder
+    plan = part_layers(config, LAYERS_PER_PART)
+    parts = [build_part(checkpoint, config, layers, final_norm=index == len(plan) - 1) for index, layers in enumerate(plan)]
+    ids = torch.randint(0, config.vocab_size, (1, length), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        reference = decoder(ids)
+        bf16_error = rel(bf16(ids).float(), reference)
+        boundaries, hidden = [], torch.zeros(1, bucket, config.hidden_size)  # the fp32 twins' part outputs
+        hidden[:, :length] = decoder.embed_tokens(ids)
+        cos, sin = rotary_tables(config, bucket, FP32)
+        for part in parts:
+            hidden = part(hidden, cos, sin)
+            boundaries.append(hidden[:, :length])
+        assert rel(boundaries[-1], reference) <= 1e-4
+        for part in parts:
+            part.to(FP16)  # Core ML's weights: int8 x fp16 scales and fp16 tensors, here fp16
+
+        def errors(dtype, families: dict) -> list[float]:
+            hidden = torch.zeros(1, bucket, config.hidden_size, dtype=dtype)
+            hidden[:, :length] = decoder.embed_tokens(ids).to(dtype)
+            cos, sin = rotary_tables(config, bucket, dtype)
+            out = []
+            for part, boundary in zip(parts, boundaries):
+                hidden = part.compute_families({family: families.get(family) for family in FAMILIES})(hidden, cos, sin)
+                out.append(rel(hidden[:, :length], boundary))
+            return out
+
+        runs = {"fp32 compute": errors(FP32, {}), "fp16 compute (before)": errors(FP16, {})}
+        for family in FAMILIES:
+            runs[f"{family} alone in fp16"] = errors(FP32, {family: FP16})
+            runs[f"{family} alone kept in fp32"] = errors(FP16, {family: FP32})
+        shipped = f"fp16, {', '.join(COREML_FP32_FAMILIES)} in fp32 (after)"
+        runs[shipped] = errors(FP16, {family: FP32 for family in COREML_FP32_FAMILIES})
+    bar = 2 * bf16_error
+    print(f"\n{source}, {length} tokens in L{bucket}: max |d| / max |ref| after each part vs our fp32 decoder; "
+          f"our bf16 decoder {bf16_error:.2e}, the bar {bar:.2e}")  # fmt: skip
+    print("| run | " + " | ".join(f"part{index:02d}" for index in range(len(parts))) + " |")
+    for name, values in runs.items():
+        print(f"| {name} | " + " | ".join(f"{value:.2e}" for value in values) + " |")
+    named = {family for family in FAMILIES if runs[f"{family} alone in fp16"][-1] > bar}
+    assert named == set(COREML_FP32_FAMILIES), f"the measurement names {sorted(named)}"
+    assert runs["fp16 compute (before)"][-1] > bar
+    assert runs[shipped][-1] <= bar
+
+
 # -- the packages ---------------------------------------------------------------------------------------
 
 
@@ -219,9 +279,14 @@ def test_decoder_weights_are_int8_per_channel_as_our_scheme_and_stored_once(expo
             worst = max(worst, rel(torch.from_numpy(scale[:, 0].astype("float32")), ours_scale))
         print(f"L{bucket}: {len(quantized)} int8 weights; scales vs ours (fp16 rounding): {worst:.1e}")
         assert worst <= 1e-3
-        # everything else (norms, conv, A_log, dt_bias, in_proj_a / in_proj_b) stays fp16
-        dense = [op.outputs[0].val for op in function.operations if op.op_type == "const" and getattr(op.outputs[0].val, "size", 0) >= 16]
-        assert dense and {str(value.dtype) for value in dense if value.dtype.kind == "f"} == {"float16"}
+        # everything else (norms, conv, A_log, dt_bias, in_proj_a / in_proj_b) stays fp16, but for what only the
+        # fp32 ops read (the gated norm's weight): Core ML keeps an fp32 op's constants fp32
+        kept = set(fp32_ops(function))
+        dense = [op for op in function.operations if op.op_type == "const" and getattr(op.outputs[0].val, "size", 0) >= 16]
+        floats = [op for op in dense if op.outputs[0].val.dtype.kind == "f"]
+        wide = [op for op in floats if str(op.outputs[0].val.dtype) != "float16"]
+        assert dense and len(wide) < len(floats)
+        assert all(child.name in kept for op in wide for child in op.outputs[0].child_ops), [op.name for op in wide]
     # weights once: the weight file holds one function's constants (int8 weights, fp16 tensors, the chunk
     # masks), not one copy per function
     one_function = sum(
