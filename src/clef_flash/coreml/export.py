@@ -288,7 +288,7 @@ def export_coreml(
         began = time.perf_counter()
         ops = _package(ct, module_of(), buckets, work, staging / name, log, **options)
         shutil.rmtree(work)
-        progress.finished(name, seconds=round(time.perf_counter() - began, 2), fp32_ops=ops)
+        progress.finished(name, seconds=round(time.perf_counter() - began, 2), peak_rss_mb=round(peak_rss_mb()), fp32_ops=ops)
 
     for index in chosen:
         package(
@@ -309,7 +309,7 @@ def export_coreml(
             if file not in progress.done:
                 began = time.perf_counter()
                 _write_table(checkpoint.tensors.get(name), staging / file)
-                progress.finished(file, seconds=round(time.perf_counter() - began, 2))
+                progress.finished(file, seconds=round(time.perf_counter() - began, 2), peak_rss_mb=round(peak_rss_mb()))
                 log(f"{file} written")
 
     shutil.copyfile(checkpoint.tokenizer_file, staging / layout.TOKENIZER)
@@ -346,7 +346,8 @@ def export_coreml(
         report["files"][name] = sum(entry["bytes"] for entry in item["files"].values())
         report["seconds"][name] = item["seconds"]
     report["seconds"]["total"] = round(time.perf_counter() - start, 2)
-    report["peak_rss_mb"] = round(peak_rss_mb())
+    report["peak_rss_mb"] = round(peak_rss_mb())  # this run's; each item records the peak of the run that wrote it
+    report["item_peak_rss_mb"] = {name: item["peak_rss_mb"] for name, item in progress.done.items()}
     return report
 
 
