@@ -300,6 +300,95 @@ def test_decoder_weights_are_int8_per_channel_as_our_scheme_and_stored_once(expo
     assert int8_bytes <= one_function <= weight_file <= one_function + 16_384  # + 64-byte alignment per blob
 
 
+def test_the_manifest_lists_the_ops_the_packages_compute_in_fp32(exported):
+    """Read back from each part's program: the ops with fp32 outputs (neither const nor cast) are exactly the
+    manifest's list, per function; the head is all fp32 and listed as such."""
+    manifest = json.loads((exported / "manifest.json").read_text())
+    assert manifest["compute"]["fp32_families"] == list(COREML_FP32_FAMILIES)
+    listed = manifest["compute"]["fp32_ops"]
+    assert sorted(listed) == ["part00.mlpackage", "part01.mlpackage"]
+    for package, functions in listed.items():
+        assert sorted(functions) == sorted(layout.function_name(bucket) for bucket in BUCKETS)
+        for function_name, names in functions.items():
+            _, function = read_back(exported / package, function_name)
+            assert names and fp32_ops(function) == names
+            computing = [op for op in function.operations if op.op_type not in ("const", "cast")]
+            print(f"{package} {function_name}: {len(names)} of {len(computing)} ops in fp32")
+            assert len(names) < len(computing) / 5
+
+
+def test_the_mixed_fp16_twins_decide_as_fp32_on_54_questions(exported):
+    """The export's fp16 stand-in (its fp32 families in fp32, as the packages) against our fp32 engine: the same
+    decisions on every question; all-fp16 printed beside it."""
+    from clef_flash.bench import generated_requests
+    from clef_flash.coreml.runners import TorchRunner
+    from clef_flash.evaluate import agreement
+
+    reference = clef_flash.load("tiny", precision="fp32")
+    requests = generated_requests(reference, records=18, tokens=300, seed=0)
+    truth = reference.score([reference.encode(request) for request in requests])
+    export = layout.read_export(exported)
+    results = {}
+    for name, families in (("fp16, all", ()), ("fp16, gated_norm in fp32", None)):
+        model = clef_flash.load(exported, coreml_runner=TorchRunner("tiny", export, part_dtype=FP16, fp32_families=families))
+        results[name] = agreement(truth, model.score([model.encode(request) for request in requests]))
+        report = results[name]
+        print(f"{name}: {report['answers_differing']} of {report['questions']} decisions differ from fp32, median |dp| "
+              f"{report['median_abs_dp']:.1e}, max {report['max_abs_dp']:.1e}")  # fmt: skip
+    shipped = results["fp16, gated_norm in fp32"]
+    assert shipped["questions"] >= 50 and shipped["answers_differing"] == 0
+    assert shipped["max_abs_dp"] < results["fp16, all"]["max_abs_dp"]
+
+
+def test_an_interrupted_export_resumes_writing_nothing_twice(tmp_path, monkeypatch):
+    """Interrupted in the head's conversion, after both parts: run again, it keeps the parts (their hashes checked),
+    writes the head and the tables once, and ends with the same files and hashes as one uninterrupted run."""
+    import clef_flash.coreml.export as export_module
+
+    options = dict(buckets=(64,), layers_per_part=LAYERS_PER_PART, head_questions=2, head_options=4, tables=True)
+    export_coreml("tiny", tmp_path / "one", **options)
+    writes: dict[str, int] = {}
+    merge, write_table = export_module.merge_functions, export_module._write_table
+
+    def counted_merge(ct, packages, destination):
+        writes[destination.name] = writes.get(destination.name, 0) + 1
+        merge(ct, packages, destination)
+
+    def counted_table(table, path):
+        writes[path.name] = writes.get(path.name, 0) + 1
+        write_table(table, path)
+
+    monkeypatch.setattr(export_module, "merge_functions", counted_merge)
+    monkeypatch.setattr(export_module, "_write_table", counted_table)
+
+    class Interrupted(Exception):
+        pass
+
+    def interrupt(message: str) -> None:
+        if message.startswith("Head L64 converted"):
+            raise Interrupted
+
+    with pytest.raises(Interrupted):
+        export_coreml("tiny", tmp_path / "two", log=interrupt, **options)
+    staging = tmp_path / ".two.exporting"
+    assert not (tmp_path / "two").exists()
+    assert sorted(json.loads((staging / "progress.json").read_text())["done"]) == ["part00.mlpackage", "part01.mlpackage"]
+    report = export_coreml("tiny", tmp_path / "two", **options)
+    assert report["resumed"] == ["part00.mlpackage", "part01.mlpackage"] and not staging.exists()
+    assert writes == dict.fromkeys(["part00.mlpackage", "part01.mlpackage", "Head.mlpackage", "embeddings.f16", "output_embeddings.f16"], 1)
+    one, two = (json.loads((tmp_path / name / "manifest.json").read_text()) for name in ("one", "two"))
+    assert one["files"] == two["files"] and one["compute"] == two["compute"]
+    layout.read_export(tmp_path / "two", verify=True)
+    # other settings start over rather than mix two exports
+    (tmp_path / "three").mkdir()
+    logged = []
+    with pytest.raises(Interrupted):
+        export_coreml("tiny", tmp_path / "four", log=interrupt, **options)
+    with pytest.raises(Interrupted):
+        export_coreml("tiny", tmp_path / "four", log=lambda m: logged.append(m) or interrupt(m), **{**options, "head_options": 5})
+    assert any("other settings, started over" in message for message in logged)
+
+
 def test_a_bundle_carries_its_own_int8_values_and_scales(tmp_path, tiny):
     from clef_flash.conversion import convert
 

@@ -188,7 +188,7 @@ def _pin_package_identifiers(package: Path) -> None:
     renamed = {key: str(uuid.uuid5(uuid.NAMESPACE_URL, entry["path"])).upper() for key, entry in manifest["itemInfoEntries"].items()}
     manifest["itemInfoEntries"] = {renamed[key]: entry for key, entry in sorted(manifest["itemInfoEntries"].items(), key=lambda item: renamed[item[0]])}
     manifest["rootModelIdentifier"] = renamed[manifest["rootModelIdentifier"]]
-    manifest_path.write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    manifest_path.write_text(json.dumps(manifest, indent=4, sort_keys=True) + "\n")  # as Core ML itself rewrites it on opening
 
 
 class _Progress:
