@@ -320,12 +320,12 @@ def test_the_manifest_lists_the_ops_the_packages_compute_in_fp32(exported):
 def test_the_mixed_fp16_twins_decide_as_fp32_on_54_questions(exported):
     """The export's fp16 stand-in (its fp32 families in fp32, as the packages) against our fp32 engine: the same
     decisions on every question; all-fp16 printed beside it."""
-    from clef_flash.bench import generated_requests
     from clef_flash.coreml.runners import TorchRunner
     from clef_flash.evaluate import agreement
 
     reference = clef_flash.load("tiny", precision="fp32")
-    requests = generated_requests(reference, records=18, tokens=300, seed=0)
+    states = ["Charged twice, refund please.", "The app crashes on login since the update.", "Where is my parcel?"]
+    requests = [short_request(3, 2 + index % 5, state=states[index % 3] * (1 + index % 4)) for index in range(18)]
     truth = reference.score([reference.encode(request) for request in requests])
     export = layout.read_export(exported)
     results = {}
@@ -470,11 +470,16 @@ def test_the_mac_benchmark_runs_end_to_end_with_the_stand_in(exported, model, tm
     requests = tmp_path / "requests.jsonl"
     requests.write_text("\n".join(json.dumps(short_request(questions)) for questions in (1, 2, 3)))
     report = coreml_mac.main(
-        [str(exported), "--source", "tiny", "--stand-in", "--requests-file", str(requests), "--rounds", "1", "--json", str(tmp_path / "r.json")],
+        [str(exported), "--source", "tiny", "--stand-in", "--requests-file", str(requests), "--rounds", "1",
+         "--json", str(tmp_path / "r.json"), "--markdown", str(tmp_path / "r.md")],
         runner=model.host.runner,  # the same stand-in, already traced
-    )
+    )  # fmt: skip
     assert report["quality_vs_fp32"]["answers_differing"] == 0 and report["quality_vs_fp32"]["questions"] == 6
     assert report["speed"]["one_record_ms"] > 0 and json.loads((tmp_path / "r.json").read_text())["parts"] == 2
+    assert list(report["speed"]["per_bucket"]) == [str(bucket) for bucket in BUCKETS]
+    assert all(row["decoder_ms"] > 0 for row in report["speed"]["per_bucket"].values())
+    table = (tmp_path / "r.md").read_text()
+    assert "| L384 |" in table and "| 3 requests | 6 | 0 |" in table and report["machine"]["chip"] in table
 
 
 # -- an export through the one engine: served, batched, evaluated like a bundle (issue 24) ------------------
