@@ -380,7 +380,6 @@ def test_an_interrupted_export_resumes_writing_nothing_twice(tmp_path, monkeypat
     assert one["files"] == two["files"] and one["compute"] == two["compute"]
     layout.read_export(tmp_path / "two", verify=True)
     # other settings start over rather than mix two exports
-    (tmp_path / "three").mkdir()
     logged = []
     with pytest.raises(Interrupted):
         export_coreml("tiny", tmp_path / "four", log=interrupt, **options)
