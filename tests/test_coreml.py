@@ -24,17 +24,17 @@ from clef_flash.checkpoint import build_model, open_checkpoint  # noqa: E402
 from clef_flash.plan import Plan  # noqa: E402
 from clef_flash.checkpoint.quant import quantize_per_channel  # noqa: E402
 from clef_flash.checkpoint import coreml_layout as layout  # noqa: E402
-from clef_flash.coreml.export import const_name, export_coreml  # noqa: E402
+from clef_flash.coreml.export import const_name, export_coreml, fp32_ops  # noqa: E402
 from clef_flash.coreml.host import CoreMLHost  # noqa: E402
 from clef_flash.coreml.modules import build_head, build_part, part_layers  # noqa: E402
 from clef_flash.clef import Clef  # noqa: E402
 from clef_flash.errors import ModelSourceError, RequestInvalid  # noqa: E402
 from clef_flash.model.config import TextConfig  # noqa: E402
-from clef_flash.model.export import rotary_tables  # noqa: E402
+from clef_flash.model.export import FAMILIES, rotary_tables  # noqa: E402
 from clef_flash.model.head_batch import build_head_batch  # noqa: E402
 from clef_flash.model.ops.gated_delta_rule import l2norm, naive_recurrent_gated_delta_rule  # noqa: E402
 from clef_flash.model.ops.static_delta_rule import static_chunk_gated_delta_rule, unit_lower_inverse  # noqa: E402
-from clef_flash.model.precision import FP16, FP32, FP64, PRECISIONS, WEIGHT_ONLY, is_quantized  # noqa: E402
+from clef_flash.model.precision import COREML_FP32_FAMILIES, FP16, FP32, FP64, PRECISIONS, WEIGHT_ONLY, is_quantized  # noqa: E402
 
 BUCKETS = (192, 384)  # the tiny export: two functions, records of up to 384 tokens
 LAYERS_PER_PART = 2  # tiny's 4 layers as 2 parts: [linear, linear], [linear, full] + the final norm
@@ -152,6 +152,66 @@ def test_export_head_with_host_matrices_equals_the_head(tiny, exported):
         assert (logits[batch.num_options :] < -5e3).all()  # padding options carry the mask
 
 
+FAMILY_RUNS = {"tiny": (200, 256), "random:9b-heads": (100, 128)}  # tokens, bucket: small enough for fp16 on CPUs
+
+
+@pytest.mark.parametrize("source", [pytest.param(name, marks=[pytest.mark.slow] if name != "tiny" else []) for name in FAMILY_RUNS])
+def test_fp16_twin_error_per_part_and_op_family(source):
+    """The twins with fp16 weights, computing in fp16 everywhere, in fp32 everywhere, each op family alone in fp16
+    (the rest fp32) and alone kept in fp32 (the rest fp16), and as shipped (COREML_FP32_FAMILIES in fp32): the error
+    after each part against our fp32 decoder's hidden states at that layer. The families that break the bar (2x
+    our bf16 decoder's error) alone in fp16 are exactly the ones the packages keep in fp32, and as shipped the twins
+    meet the bar."""
+    checkpoint = open_checkpoint(source)
+    config = TextConfig.from_release_config(checkpoint.config)
+    length, bucket = FAMILY_RUNS[source]
+    cpu = torch.device("cpu")
+    decoder = build_model(checkpoint, Plan(PRECISIONS["fp32"], cpu)).decoder
+    bf16 = build_model(checkpoint, Plan(PRECISIONS["bf16"], cpu)).decoder
+    plan = part_layers(config, LAYERS_PER_PART)
+    parts = [build_part(checkpoint, config, layers, final_norm=index == len(plan) - 1) for index, layers in enumerate(plan)]
+    ids = torch.randint(0, config.vocab_size, (1, length), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        reference = decoder(ids)
+        bf16_error = rel(bf16(ids).float(), reference)
+        boundaries, hidden = [], torch.zeros(1, bucket, config.hidden_size)  # the fp32 twins' part outputs
+        hidden[:, :length] = decoder.embed_tokens(ids)
+        cos, sin = rotary_tables(config, bucket, FP32)
+        for part in parts:
+            hidden = part(hidden, cos, sin)
+            boundaries.append(hidden[:, :length])
+        assert rel(boundaries[-1], reference) <= 1e-4
+        for part in parts:
+            part.to(FP16)  # Core ML's weights: int8 x fp16 scales and fp16 tensors, here fp16
+
+        def errors(dtype, families: dict) -> list[float]:
+            hidden = torch.zeros(1, bucket, config.hidden_size, dtype=dtype)
+            hidden[:, :length] = decoder.embed_tokens(ids).to(dtype)
+            cos, sin = rotary_tables(config, bucket, dtype)
+            out = []
+            for part, boundary in zip(parts, boundaries):
+                hidden = part.compute_families({family: families.get(family) for family in FAMILIES})(hidden, cos, sin)
+                out.append(rel(hidden[:, :length], boundary))
+            return out
+
+        runs = {"fp32 compute": errors(FP32, {}), "fp16 compute (before)": errors(FP16, {})}
+        for family in FAMILIES:
+            runs[f"{family} alone in fp16"] = errors(FP32, {family: FP16})
+            runs[f"{family} alone kept in fp32"] = errors(FP16, {family: FP32})
+        shipped = f"fp16, {', '.join(COREML_FP32_FAMILIES)} in fp32 (after)"
+        runs[shipped] = errors(FP16, {family: FP32 for family in COREML_FP32_FAMILIES})
+    bar = 2 * bf16_error
+    print(f"\n{source}, {length} tokens in L{bucket}: max |d| / max |ref| after each part vs our fp32 decoder; "
+          f"our bf16 decoder {bf16_error:.2e}, the bar {bar:.2e}")  # fmt: skip
+    print("| run | " + " | ".join(f"part{index:02d}" for index in range(len(parts))) + " |")
+    for name, values in runs.items():
+        print(f"| {name} | " + " | ".join(f"{value:.2e}" for value in values) + " |")
+    named = {family for family in FAMILIES if runs[f"{family} alone in fp16"][-1] > bar}
+    assert named == set(COREML_FP32_FAMILIES), f"the measurement names {sorted(named)}"
+    assert runs["fp16 compute (before)"][-1] > bar
+    assert runs[shipped][-1] <= bar
+
+
 # -- the packages ---------------------------------------------------------------------------------------
 
 
@@ -222,9 +282,14 @@ def test_decoder_weights_are_int8_per_channel_as_our_scheme_and_stored_once(expo
             worst = max(worst, rel(torch.from_numpy(scale[:, 0].astype("float32")), ours_scale))
         print(f"L{bucket}: {len(quantized)} int8 weights; scales vs ours (fp16 rounding): {worst:.1e}")
         assert worst <= 1e-3
-        # everything else (norms, conv, A_log, dt_bias, in_proj_a / in_proj_b) stays fp16
-        dense = [op.outputs[0].val for op in function.operations if op.op_type == "const" and getattr(op.outputs[0].val, "size", 0) >= 16]
-        assert dense and {str(value.dtype) for value in dense if value.dtype.kind == "f"} == {"float16"}
+        # everything else (norms, conv, A_log, dt_bias, in_proj_a / in_proj_b) stays fp16, but for what only the
+        # fp32 ops read (the gated norm's weight): Core ML keeps an fp32 op's constants fp32
+        kept = set(fp32_ops(function))
+        dense = [op for op in function.operations if op.op_type == "const" and getattr(op.outputs[0].val, "size", 0) >= 16]
+        floats = [op for op in dense if op.outputs[0].val.dtype.kind == "f"]
+        wide = [op for op in floats if str(op.outputs[0].val.dtype) != "float16"]
+        assert dense and len(wide) < len(floats)
+        assert all(child.name in kept for op in wide for child in op.outputs[0].child_ops), [op.name for op in wide]
     # weights once: the weight file holds one function's constants (int8 weights, fp16 tensors, the chunk
     # masks), not one copy per function
     one_function = sum(
@@ -236,6 +301,97 @@ def test_decoder_weights_are_int8_per_channel_as_our_scheme_and_stored_once(expo
     weight_file = (package / "Data" / "com.apple.CoreML" / "weights" / "weight.bin").stat().st_size
     print(f"part01: weight.bin {weight_file} B; one function's constants {one_function} B, of which int8 weights {int8_bytes} B")
     assert int8_bytes <= one_function <= weight_file <= one_function + 16_384  # + 64-byte alignment per blob
+
+
+@pytest.mark.slow  # a Core ML export read back
+def test_the_manifest_lists_the_ops_the_packages_compute_in_fp32(exported):
+    """Read back from each part's program: the ops with fp32 outputs (neither const nor cast) are exactly the
+    manifest's list, per function; the head is all fp32 and listed as such."""
+    manifest = json.loads((exported / "manifest.json").read_text())
+    assert manifest["compute"]["fp32_families"] == list(COREML_FP32_FAMILIES)
+    listed = manifest["compute"]["fp32_ops"]
+    assert sorted(listed) == ["part00.mlpackage", "part01.mlpackage"]
+    for package, functions in listed.items():
+        assert sorted(functions) == sorted(layout.function_name(bucket) for bucket in BUCKETS)
+        for function_name, names in functions.items():
+            _, function = read_back(exported / package, function_name)
+            assert names and fp32_ops(function) == names
+            computing = [op for op in function.operations if op.op_type not in ("const", "cast")]
+            print(f"{package} {function_name}: {len(names)} of {len(computing)} ops in fp32")
+            assert len(names) < len(computing) / 5
+
+
+@pytest.mark.slow  # fp16 on the CPU, 18 records twice
+def test_the_mixed_fp16_twins_decide_as_fp32_on_54_questions(exported):
+    """The export's fp16 stand-in (its fp32 families in fp32, as the packages) against our fp32 engine: the same
+    decisions on every question; all-fp16 printed beside it."""
+    from clef_flash.coreml.runners import TorchRunner
+    from clef_flash.evaluate import agreement
+
+    reference = clef_flash.load("tiny", precision="fp32")
+    states = ["Charged twice, refund please.", "The app crashes on login since the update.", "Where is my parcel?"]
+    requests = [short_request(3, 2 + index % 5, state=states[index % 3] * (1 + index % 4)) for index in range(18)]
+    truth = reference.score([reference.encode(request) for request in requests])
+    export = layout.read_export(exported)
+    results = {}
+    for name, families in (("fp16, all", ()), ("fp16, gated_norm in fp32", None)):
+        model = clef_flash.load(exported, coreml_runner=TorchRunner("tiny", export, part_dtype=FP16, fp32_families=families))
+        results[name] = agreement(truth, model.score([model.encode(request) for request in requests]))
+        report = results[name]
+        print(f"{name}: {report['answers_differing']} of {report['questions']} decisions differ from fp32, median |dp| "
+              f"{report['median_abs_dp']:.1e}, max {report['max_abs_dp']:.1e}")  # fmt: skip
+    shipped = results["fp16, gated_norm in fp32"]
+    assert shipped["questions"] >= 50 and shipped["answers_differing"] == 0
+    assert shipped["max_abs_dp"] < results["fp16, all"]["max_abs_dp"]
+
+
+@pytest.mark.slow  # five small exports
+def test_an_interrupted_export_resumes_writing_nothing_twice(tmp_path, monkeypatch):
+    """Interrupted in the head's conversion, after both parts: run again, it keeps the parts (their hashes checked),
+    writes the head and the tables once, and ends with the same files and hashes as one uninterrupted run."""
+    import clef_flash.coreml.export as export_module
+
+    options = dict(buckets=(64,), layers_per_part=LAYERS_PER_PART, head_questions=2, head_options=4, tables=True)
+    export_coreml("tiny", tmp_path / "one", **options)
+    writes: dict[str, int] = {}
+    merge, write_table = export_module.merge_functions, export_module._write_table
+
+    def counted_merge(ct, packages, destination):
+        writes[destination.name] = writes.get(destination.name, 0) + 1
+        merge(ct, packages, destination)
+
+    def counted_table(table, path):
+        writes[path.name] = writes.get(path.name, 0) + 1
+        write_table(table, path)
+
+    monkeypatch.setattr(export_module, "merge_functions", counted_merge)
+    monkeypatch.setattr(export_module, "_write_table", counted_table)
+
+    class Interrupted(Exception):
+        pass
+
+    def interrupt(message: str) -> None:
+        if message.startswith("Head L64 converted"):
+            raise Interrupted
+
+    with pytest.raises(Interrupted):
+        export_coreml("tiny", tmp_path / "two", log=interrupt, **options)
+    staging = tmp_path / ".two.exporting"
+    assert not (tmp_path / "two").exists()
+    assert sorted(json.loads((staging / "progress.json").read_text())["done"]) == ["part00.mlpackage", "part01.mlpackage"]
+    report = export_coreml("tiny", tmp_path / "two", **options)
+    assert report["resumed"] == ["part00.mlpackage", "part01.mlpackage"] and not staging.exists()
+    assert writes == dict.fromkeys(["part00.mlpackage", "part01.mlpackage", "Head.mlpackage", "embeddings.f16", "output_embeddings.f16"], 1)
+    one, two = (json.loads((tmp_path / name / "manifest.json").read_text()) for name in ("one", "two"))
+    assert one["files"] == two["files"] and one["compute"] == two["compute"]
+    layout.read_export(tmp_path / "two", verify=True)
+    # other settings start over rather than mix two exports
+    logged = []
+    with pytest.raises(Interrupted):
+        export_coreml("tiny", tmp_path / "four", log=interrupt, **options)
+    with pytest.raises(Interrupted):
+        export_coreml("tiny", tmp_path / "four", log=lambda m: logged.append(m) or interrupt(m), **{**options, "head_options": 5})
+    assert any("other settings, started over" in message for message in logged)
 
 
 @pytest.mark.slow  # a Core ML export
@@ -324,16 +480,22 @@ def test_the_mac_benchmark_runs_end_to_end_with_the_stand_in(exported, model, tm
     requests = tmp_path / "requests.jsonl"
     requests.write_text("\n".join(json.dumps(short_request(questions)) for questions in (1, 2, 3)))
     report = coreml_mac.main(
-        [str(exported), "--source", "tiny", "--stand-in", "--requests-file", str(requests), "--rounds", "1", "--json", str(tmp_path / "r.json")],
+        [str(exported), "--source", "tiny", "--stand-in", "--requests-file", str(requests), "--rounds", "1",
+         "--json", str(tmp_path / "r.json"), "--markdown", str(tmp_path / "r.md")],
         runner=model.host.runner,  # the same stand-in, already traced
-    )
+    )  # fmt: skip
     assert report["quality_vs_fp32"]["answers_differing"] == 0 and report["quality_vs_fp32"]["questions"] == 6
     assert report["speed"]["one_record_ms"] > 0 and json.loads((tmp_path / "r.json").read_text())["parts"] == 2
+    assert list(report["speed"]["per_bucket"]) == [str(bucket) for bucket in BUCKETS]
+    assert all(row["decoder_ms"] > 0 for row in report["speed"]["per_bucket"].values())
+    table = (tmp_path / "r.md").read_text()
+    assert "| L384 |" in table and "| 3 requests | 6 | 0 |" in table and report["machine"]["chip"] in table
 
 
 # -- an export through the one engine: served, batched, evaluated like a bundle (issue 24) ------------------
 
 
+@pytest.mark.slow  # a Core ML export
 def test_an_export_opens_as_a_checkpoint_and_plans_as_exported(exported, model):
     checkpoint = open_checkpoint(exported)
     assert checkpoint.kind == "coreml" and checkpoint.tensors is None and checkpoint.is_random
@@ -346,6 +508,7 @@ def test_an_export_opens_as_a_checkpoint_and_plans_as_exported(exported, model):
         clef_flash.load("tiny", coreml_runner="torch")
 
 
+@pytest.mark.slow  # a Core ML export
 def test_an_export_answers_as_the_fp32_engine_through_answer_many(model):
     """Several records in one call (the engine groups them; the backend runs each whole): the same decisions
     and probabilities as our fp32 torch path, within the fp32 twins' error."""
@@ -365,6 +528,7 @@ def test_an_export_answers_as_the_fp32_engine_through_answer_many(model):
     assert model.last_timings.records == 4 and model.state_cache.stats.hits == 0
 
 
+@pytest.mark.slow  # a Core ML export
 def test_serve_batch_and_eval_run_over_an_export(exported, model, tmp_path, capsys):
     from fastapi.testclient import TestClient
 

@@ -3,14 +3,16 @@
     part00.mlpackage ... partNN.mlpackage   decoder layers 4k..4k+3 (the last also applies the final norm);
                                             one function per bucket, `L256` ... `L8192`, sharing one copy of
                                             the weights. Inputs hidden [1, L, D], cos [L, rd], sin [L, rd]
-                                            (fp16); output out [1, L, D] (fp16). Weights 8-bit, fp16 compute.
+                                            (fp16); output out [1, L, D] (fp16). Weights 8-bit; fp16 compute
+                                            except the manifest's `compute.fp32_families` (fp32)
     Head.mlpackage                          the joint head at a fixed shape (questions Q, options O), fp32, the
                                             same functions; inputs as `model/export.py`'s ExportHead; output logits [O]
     embeddings.f16, output_embeddings.f16   raw fp16 tables [V, D], row-major, gathered by row (memory-mapped)
     tokenizer.json
     config.json                             what the host needs: shapes, buckets, parts, head shape, token ids,
                                             mask value, the release's config
-    manifest.json                           format and version, the source, every file's size and sha256 (last
+    manifest.json                           format and version, the source, the ops computing in fp32 (per
+                                            package and function), every file's size and sha256 (last
                                             written: its presence marks a complete export)
 """
 
@@ -25,7 +27,7 @@ from typing import Any
 from ..errors import BundleError
 
 FORMAT = "clef-flash-coreml"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: mixed compute precision, the fp32 ops listed in the manifest
 MANIFEST = "manifest.json"
 CONFIG = "config.json"
 TOKENIZER = "tokenizer.json"
@@ -100,6 +102,11 @@ class ExportLayout:
     @property
     def vocab_size(self) -> int:
         return int(self.config["vocab_size"])
+
+    @property
+    def fp32_families(self) -> tuple[str, ...]:
+        """The op families the parts compute in fp32 (everything else fp16)."""
+        return tuple(self.manifest["compute"]["fp32_families"])
 
     @property
     def mask_value(self) -> float:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -18,7 +19,7 @@ from torch import Tensor
 from ..checkpoint import open_checkpoint
 from ..errors import ModelSourceError
 from ..model.config import TextConfig
-from ..model.precision import COREML_PART_DTYPE, EXPORT_DTYPE
+from ..model.precision import COREML_PART_DTYPE, EXPORT_DTYPE, FP32
 from ..checkpoint import coreml_layout as layout
 from .modules import build_head, build_part
 
@@ -61,17 +62,30 @@ class MLModelRunner:
 class TorchRunner:
     """The export twins in torch, filled from the export's source (a release, bundle, "tiny" or "random:NAME"),
     traced per (package, bucket) like the exporter traces them. `part_dtype`: fp32 for exactness checks, or
-    Core ML's fp16 to see its rounding (slow on CPUs: use small configs)."""
+    Core ML's fp16 to see its rounding (slow on CPUs: use small configs): fp16 weights and activations, with the
+    op families the export keeps in fp32 (`fp32_families`, its manifest's) computed in fp32, as the package."""
 
-    def __init__(self, source: str | os.PathLike[str], export: layout.ExportLayout, *, part_dtype: torch.dtype = EXPORT_DTYPE):
+    def __init__(
+        self,
+        source: str | os.PathLike[str],
+        export: layout.ExportLayout,
+        *,
+        part_dtype: torch.dtype = EXPORT_DTYPE,
+        fp32_families: Sequence[str] | None = None,
+    ):
+        """`fp32_families` (fp16 only): the op families computed in fp32; None, the export's."""
         from .export import trace  # the exporter's trace (no coremltools needed for it)
 
         self.trace = trace
         self.part_dtype = part_dtype
         checkpoint = open_checkpoint(source)
         config = TextConfig.from_release_config(checkpoint.config)
+        families = export.fp32_families if fp32_families is None else tuple(fp32_families)
+        kept = {family: FP32 for family in families} if part_dtype == COREML_PART_DTYPE else {}
         self.modules = {
-            part["package"]: build_part(checkpoint, config, part["layers"], final_norm=part["final_norm"]).to(part_dtype)
+            part["package"]: build_part(checkpoint, config, part["layers"], final_norm=part["final_norm"])
+            .to(part_dtype)
+            .compute_families(kept)
             for part in export.parts
         }
         self.head_package = export.head["package"]

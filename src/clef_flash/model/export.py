@@ -31,6 +31,12 @@ from .qwen3_5 import DecoderLayer, GatedAttention, GatedDeltaNet, RMSNorm, rotar
 
 MASKED = -1.0e4  # the additive mask value of the head's inputs (the port's): exp() of it is 0
 NORM_FLOOR = 1.0e-3  # absmax floor of the overflow-safe norms: eps / floor^2 stays inside fp16
+# The op families of a part whose compute precision is chosen apart (model/precision.py, COREML_FP32_FAMILIES):
+# the projections, the delta rule (its gates, decays and chunked core), attention (RoPE, mask, softmax, gate),
+# the norms (RMS, q/k, l2, final) and, apart from them, the DeltaNet's gated RMSNorm, which reads the delta
+# rule's small outputs. The ops outside them (conv taps, SiLU, residual adds) compute in the part's dtype.
+FAMILIES = ("projections", "delta_rule", "attention", "norms", "gated_norm")
+REGIONS = "regions"  # ExportPart's ModuleDict of `Region`s: the scope prefix their ops carry into Core ML
 
 
 def rotary_tables(config: TextConfig, length: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -55,6 +61,41 @@ def rms_normalize(x: Tensor, eps: float) -> Tensor:
 def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
     """x * rsqrt(sum(x^2) + eps) (the delta rule's l2norm), overflow-safe in fp16."""
     return _safe_rsqrt_scaled(x, eps, mean=False)
+
+
+class Region(nn.Module):
+    """One op family (`FAMILIES`), called as `region(fn, *args)`. Its ops carry the module scope
+    `regions.<family>` through `torch.jit.trace` into Core ML's program (coremltools' TORCHSCRIPT_MODULE_NAME),
+    where the exporter's op selector keeps the chosen families in fp32. In torch, `dtype` (None: the part's) is
+    what the family computes in: floating inputs cast to it, the output cast back; the parameters it reads
+    follow the activations (`_like`), as Core ML casts an fp16 weight into an fp32 op. No parameters of its own:
+    the state dict is the decoder's."""
+
+    def __init__(self, family: str):
+        super().__init__()
+        self.family = family
+        self.dtype: torch.dtype | None = None
+
+    def forward(self, fn, *args):
+        if self.dtype is None:
+            return fn(*args)
+        back = next(arg.dtype for arg in args if isinstance(arg, Tensor))
+        cast = tuple(arg.to(self.dtype) if isinstance(arg, Tensor) and arg.is_floating_point() else arg for arg in args)
+        out = fn(*cast)
+        return tuple(t.to(back) for t in out) if isinstance(out, tuple) else out.to(back)
+
+
+def _like(parameter: Tensor, x: Tensor) -> Tensor:
+    """`parameter` in x's dtype for a matmul (elementwise ops promote by themselves); unchanged, and so absent
+    from the trace, when it already is (the exporter's fp32 trace)."""
+    return parameter if parameter.dtype == x.dtype else parameter.to(x.dtype)
+
+
+def _linear(linear: nn.Module, x: Tensor) -> Tensor:
+    """A projection (nn.Linear without bias, or ExportLinear) in x's dtype."""
+    if isinstance(linear, ExportLinear) or linear.weight.dtype == x.dtype:
+        return linear(x)
+    return F.linear(x, _like(linear.weight, x))
 
 
 def _offset_norm(norm: RMSNorm, x: Tensor) -> Tensor:
@@ -84,17 +125,28 @@ class ExportLinear(nn.Module):
         self.outlier_weight = None if outlier_weight is None else nn.Parameter(outlier_weight, requires_grad=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        out = F.linear(x, self.weight)
+        out = F.linear(x, _like(self.weight, x))
         if self.outlier_channels is not None:
-            out = out + F.linear(x.index_select(-1, self.outlier_channels), self.outlier_weight)
+            out = out + F.linear(x.index_select(-1, self.outlier_channels), _like(self.outlier_weight, x))
         return out
 
 
-def _delta_net(net: GatedDeltaNet, x: Tensor, chunk_size: int) -> Tensor:
+def _gates(net: GatedDeltaNet, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    """The delta rule's decay (log) and write strength from the gate projections' outputs."""
+    return -net.A_log.exp() * F.softplus(a + net.dt_bias), torch.sigmoid(b)  # g, beta [B, L, Hv]
+
+
+def _gated_norm(net: GatedDeltaNet, out: Tensor, z: Tensor) -> Tensor:
+    """The DeltaNet's gated RMSNorm: rms(out) * w * silu(z)."""
+    return rms_normalize(out, net.norm.eps) * net.norm.weight * F.silu(z)
+
+
+def _delta_net(net: GatedDeltaNet, x: Tensor, chunk_size: int, regions: nn.ModuleDict) -> Tensor:
     """GatedDeltaNet.forward from a zero state: x [B, L, D] -> [B, L, D]."""
     B, L, _ = static_shape(x)
     Hk, Hv, Dk, Dv = net.num_k_heads, net.num_v_heads, net.head_k_dim, net.head_v_dim
-    mixed = net.in_proj_qkv(x)  # [B, L, conv_dim]
+    project, norms = regions["projections"], regions["norms"]
+    mixed = project(_linear, net.in_proj_qkv, x)  # [B, L, conv_dim]
     taps = net.conv1d.weight[:, 0, :].t()  # [K, conv_dim]; the last tap multiplies the current token
     K = static_shape(taps)[0]
     padded = F.pad(mixed, (0, 0, K - 1, 0))  # [B, K-1+L, conv_dim]
@@ -103,33 +155,42 @@ def _delta_net(net: GatedDeltaNet, x: Tensor, chunk_size: int) -> Tensor:
         conv = conv + padded[:, i : i + L] * taps[i]
     mixed = F.silu(conv)
     query, key, value = mixed.split((net.key_dim, net.key_dim, net.value_dim), dim=-1)
-    query = l2_normalize(query.reshape(B, L, Hk, Dk)) * Dk**-0.5
-    key = l2_normalize(key.reshape(B, L, Hk, Dk))
-    beta = torch.sigmoid(net.in_proj_b(x))  # [B, L, Hv]
-    g = -net.A_log.exp() * F.softplus(net.in_proj_a(x) + net.dt_bias)  # [B, L, Hv]
-    out = static_chunk_gated_delta_rule(query, key, value.reshape(B, L, Hv, Dv), g, beta, chunk_size)
-    z = net.in_proj_z(x).reshape(B, L, Hv, Dv)
-    out = rms_normalize(out, net.norm.eps) * net.norm.weight * F.silu(z)  # the gated RMSNorm
-    return net.out_proj(out.reshape(B, L, net.value_dim))
+    query = norms(l2_normalize, query.reshape(B, L, Hk, Dk)) * Dk**-0.5
+    key = norms(l2_normalize, key.reshape(B, L, Hk, Dk))
+    core = regions["delta_rule"]
+    g, beta = core(_gates, net, project(_linear, net.in_proj_a, x), project(_linear, net.in_proj_b, x))
+    out = core(static_chunk_gated_delta_rule, query, key, value.reshape(B, L, Hv, Dv), g, beta, chunk_size)
+    out = regions["gated_norm"](_gated_norm, net, out, project(_linear, net.in_proj_z, x).reshape(B, L, Hv, Dv))
+    return project(_linear, net.out_proj, out.reshape(B, L, net.value_dim))
 
 
-def _attention(attn: GatedAttention, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+def _attention(attn: GatedAttention, x: Tensor, cos: Tensor, sin: Tensor, regions: nn.ModuleDict) -> Tensor:
     """GatedAttention.forward without a state: x [B, L, D] -> [B, L, D], causal."""
     B, L, _ = static_shape(x)
     H, Hkv, hd = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    packed = attn.q_proj(x).reshape(B, L, H, 2, hd)  # rows [q_h | gate_h]
+    project, norms = regions["projections"], regions["norms"]
+    packed = project(_linear, attn.q_proj, x).reshape(B, L, H, 2, hd)  # rows [q_h | gate_h]
     query, gate = packed[:, :, :, 0], packed[:, :, :, 1]  # [B, L, H, hd]
-    query = _rotate(_offset_norm(attn.q_norm, query), cos, sin)
-    key = _rotate(_offset_norm(attn.k_norm, attn.k_proj(x).reshape(B, L, Hkv, hd)), cos, sin)
-    value = attn.v_proj(x).reshape(B, L, Hkv, hd)
+    query = norms(_offset_norm, attn.q_norm, query)
+    key = norms(_offset_norm, attn.k_norm, project(_linear, attn.k_proj, x).reshape(B, L, Hkv, hd))
+    value = project(_linear, attn.v_proj, x).reshape(B, L, Hkv, hd)
+    out = regions["attention"](_gated_attention, query, key, value, gate, cos, sin)
+    return project(_linear, attn.o_proj, out)
+
+
+def _gated_attention(query: Tensor, key: Tensor, value: Tensor, gate: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """RoPE, causal grouped attention and the sigmoid gate: query, gate [B, L, H, hd], key, value [B, L, Hkv, hd]
+    -> [B, L, H * hd]."""
+    B, L, H, hd = static_shape(query)
+    Hkv = static_shape(key)[2]
+    query, key = _rotate(query, cos, sin), _rotate(key, cos, sin)
 
     def heads(t: Tensor, count: int) -> Tensor:  # [B, L, count, hd] -> [B, H, L, hd], KV head h // (H / count)
         t = t.transpose(1, 2)
         return t[:, :, None].expand(B, count, H // count, L, hd).reshape(B, H, L, hd)
 
     out = F.scaled_dot_product_attention(heads(query, H), heads(key, Hkv), heads(value, Hkv), attn_mask=_causal_mask(cos))
-    out = out.transpose(1, 2).reshape(B, L, H * hd) * torch.sigmoid(gate.reshape(B, L, H * hd))
-    return attn.o_proj(out)
+    return out.transpose(1, 2).reshape(B, L, H * hd) * torch.sigmoid(gate.reshape(B, L, H * hd))
 
 
 def _causal_mask(cos: Tensor) -> Tensor:
@@ -144,34 +205,46 @@ def _causal_mask(cos: Tensor) -> Tensor:
     return future.to(cos.dtype) * MASKED
 
 
-def _layer(layer: DecoderLayer, x: Tensor, cos: Tensor, sin: Tensor, chunk_size: int) -> Tensor:
-    h = _offset_norm(layer.input_layernorm, x)
+def _layer(layer: DecoderLayer, x: Tensor, cos: Tensor, sin: Tensor, chunk_size: int, regions: nn.ModuleDict) -> Tensor:
+    project, norms = regions["projections"], regions["norms"]
+    h = norms(_offset_norm, layer.input_layernorm, x)
     if layer.layer_type == "linear_attention":
-        h = _delta_net(layer.linear_attn, h, chunk_size)
+        h = _delta_net(layer.linear_attn, h, chunk_size, regions)
     else:
-        h = _attention(layer.self_attn, h, cos, sin)
+        h = _attention(layer.self_attn, h, cos, sin, regions)
     x = x + h
-    h = _offset_norm(layer.post_attention_layernorm, x)
+    h = norms(_offset_norm, layer.post_attention_layernorm, x)
     mlp = layer.mlp
-    return x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
+    return x + project(_linear, mlp.down_proj, F.silu(project(_linear, mlp.gate_proj, h)) * project(_linear, mlp.up_proj, h))
 
 
 class ExportPart(nn.Module):
     """Decoder layers `layers` (a dict from the decoder's layer index) and, on the last part, the final norm.
 
-    State-dict names are the decoder's (`layers.5.linear_attn.in_proj_qkv.weight`, `norm.weight`)."""
+    State-dict names are the decoder's (`layers.5.linear_attn.in_proj_qkv.weight`, `norm.weight`); `regions`
+    holds one `Region` per op family (no tensors)."""
 
     def __init__(self, layers: dict[int, DecoderLayer], norm: RMSNorm | None = None, chunk_size: int = 64):
         super().__init__()
         self.layers = nn.ModuleDict({str(index): layer for index, layer in sorted(layers.items())})
         self.norm = norm
         self.chunk_size = chunk_size
+        self.regions = nn.ModuleDict({family: Region(family) for family in FAMILIES})
+
+    def compute_families(self, dtypes: dict[str, torch.dtype | None]) -> "ExportPart":
+        """Sets each named family's compute dtype in torch (None: the part's); the others are left as they are."""
+        unknown = sorted(set(dtypes) - set(FAMILIES))
+        if unknown:
+            raise ValueError(f"unknown op families {unknown}: the families are {', '.join(FAMILIES)}")
+        for family, dtype in dtypes.items():
+            self.regions[family].dtype = dtype
+        return self
 
     def forward(self, hidden: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         x = hidden  # [1, L, D]
         for layer in self.layers.values():
-            x = _layer(layer, x, cos, sin, self.chunk_size)
-        return _offset_norm(self.norm, x) if self.norm is not None else x
+            x = _layer(layer, x, cos, sin, self.chunk_size, self.regions)
+        return self.regions["norms"](_offset_norm, self.norm, x) if self.norm is not None else x
 
 
 # -- the head ------------------------------------------------------------------------------------------------
