@@ -39,6 +39,9 @@ DEFAULT_REPO = "Cloudflare/clef-flash"
 RANDOM_PREFIX = "random:"
 
 
+PROCESSOR_CONFIG = "preprocessor_config.json"
+
+
 @dataclass
 class Checkpoint:
     """A model source, opened: configs, tokenizer and tensor sources, nothing loaded yet."""
@@ -54,6 +57,7 @@ class Checkpoint:
     stored_int8: bool = False  # the decoder projections are stored int8 (a bundle)
     manifest: dict | None = None  # a bundle's manifest
     decoder_files: str = "model*.safetensors"  # for error messages
+    processor_config: dict | None = None  # preprocessor_config.json (a release's image processor); None: text only
 
     @property
     def where(self) -> str:
@@ -68,6 +72,13 @@ class Checkpoint:
         from ..request.tokenizer import Tokenizer
 
         return Tokenizer.from_file(self.tokenizer_file)
+
+    @functools.cached_property
+    def image_processor(self):
+        """The release's image processor (request/images.py), or None when it has none (text only)."""
+        from ..request.images import ImageProcessorConfig
+
+        return None if self.processor_config is None else ImageProcessorConfig.from_dict(self.processor_config)
 
     @property
     def calibrated(self) -> bool:
@@ -107,6 +118,7 @@ def open_release(root: Path, *, source: str | None = None) -> Checkpoint:
         tokenizer_file=root / "tokenizer.json",
         tensors=SafetensorsFiles(release_files(root)),
         head_tensors=SafetensorsFiles([root / HEAD_WEIGHTS]),
+        processor_config=read_json(root / PROCESSOR_CONFIG) if (root / PROCESSOR_CONFIG).is_file() else None,
     )
 
 

@@ -79,8 +79,8 @@ class Engine:
         keys = [cache.key(record.input_ids[: state_end(record)]) for record in records]
         shared = Counter(keys)
         reuse = self.backend.state_reuse_unsupported is None
-        keyed = [
-            reuse and (shared[key] > 1 or key in cache or self._worth_keeping(key, state_end(record)))
+        keyed = [  # records with images run whole (their positions are not the token count: no continuation)
+            reuse and record.media is None and (shared[key] > 1 or key in cache or self._worth_keeping(key, state_end(record)))
             for key, record in zip(keys, records)
         ]
         new_tokens = [record.token_count - (state_end(record) if uses else 0) for record, uses in zip(records, keyed)]

@@ -13,15 +13,17 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..checkpoint import Checkpoint, ModelParts, build_model
-from ..errors import ClefError
+from ..errors import ClefError, images_unsupported
 from ..model.head_batch import build_head_batch, softmax_per_question, split_logits
 from ..model.joint_head import FeatureBuilder
 from ..model.qwen3_5 import DecoderState
 from ..plan import Plan
-from ..prefill import DEFAULT_SEGMENT_TOKENS, run_segments
+from ..model.vision import rope_positions
+from ..prefill import DEFAULT_SEGMENT_TOKENS, RowMedia, run_segments
 from ..request.records import EncodedRecord
 from ..state_cache import CachedState
 from .backend import HeadClock, QuestionResult, Timings
@@ -50,7 +52,10 @@ class TorchBackend:
         self._empty_state: DecoderState | None = None
 
     def check(self, record: EncodedRecord) -> None:
-        """Any record within the token limit runs here (the limit is checked when it is encoded)."""
+        """Any record within the token limit runs here (the limit is checked when it is encoded); one with
+        images needs the source's vision tower."""
+        if record.media is not None and self.parts.vision is None:
+            raise images_unsupported("this model source has no vision tower (model.visual.*): it answers text only")
 
     def describe(self) -> dict[str, Any]:
         return {"segment_tokens": self.segment_tokens}
@@ -113,6 +118,7 @@ class TorchBackend:
             device=self.device,
             on_segment=read,
             state=state,
+            media=self._media(records),
         )
         self._sync()
         clock.close(time.perf_counter() - start)
@@ -129,6 +135,32 @@ class TorchBackend:
             ]
             for record, record_logits, record_probabilities in zip(records, per_record_logits, per_record_probabilities)
         ]
+
+    def _media(self, records: Sequence[EncodedRecord]) -> list[RowMedia | None] | None:
+        """The vision tower over every image of the forward at once (attention stays within each image), its
+        features split back per record, with each record's pad positions and 3-D positions."""
+        with_media = [record for record in records if record.media is not None]
+        if not with_media:
+            return None
+        pixels = torch.from_numpy(np.concatenate([record.media.pixel_values for record in with_media]))
+        grids = [grid for record in with_media for grid in record.media.grids]
+        features = self.parts.vision(pixels.to(self.device), grids).to(self.parts.decoder.dtype)  # [pads, D]
+        per_record = iter(features.split([record.media.tokens for record in with_media]))
+        out: list[RowMedia | None] = []
+        for record in records:
+            media = record.media
+            if media is None:
+                out.append(None)
+                continue
+            ids = torch.tensor(record.input_ids)
+            out.append(
+                RowMedia(
+                    features=next(per_record),
+                    pad_positions=(ids == media.pad_id).nonzero().flatten(),
+                    positions=rope_positions(record.input_ids, media.grids, {media.pad_id}, media.merge),
+                )
+            )
+        return out
 
     def _empty(self) -> DecoderState:
         if self._empty_state is None:

@@ -11,9 +11,11 @@ Choices where the public sources disagree (`/work/shared/systemone.md` §7), and
 - **Top-level unknown fields are ignored.** `typesafe-sdk` (0.7.5) merges any `extra_body` into
   the body's top level, and gateways add or strip fields (ngrok); the fields we know are enough.
   The SDK always sends `model` (default `"jev-latest"`), so any model name is accepted and echoed.
-- **Media fields are refused, not ignored.** `images`, `videos` and the SDK's image `assets` give an
-  `images_unsupported` / `videos_unsupported` error when present and non-empty: answering as if
-  the picture were not there would be silently wrong. Absent, `null`, `[]` or `{}` are fine.
+- **Images as the hosted API takes them** (request/images.py): up to 4 data URIs, 4 MiB each, 8 MiB
+  together, 16 MP each; remote URLs are refused. Every refusal names the image's index
+  (`["body", "images", i]`) and what is wrong. `videos` and the SDK's image `assets` are refused
+  (`videos_unsupported` / `images_unsupported`) when present and non-empty: answering as if they were
+  not there would be silently wrong. Absent, `null`, `[]` or `{}` are fine.
 - **`state` is required and may be any JSON value except `null`** (string, object, array, number,
   boolean; non-strings are rendered as compact JSON). The TypeSafe OpenAPI schema the SDK is
   generated from allows no `null` and the SDK refuses `None` itself: a null state is a caller bug
@@ -59,6 +61,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from ..errors import RequestInvalid
+from .images import MAX_IMAGES, MAX_TOTAL_IMAGE_BYTES, ImageProblem, RequestImage, decode_image
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
@@ -220,15 +223,33 @@ Description = Annotated[
 Level = Annotated[Any, _content_validator("a score level", nullable=False), WithJsonSchema(_CONTENT_SCHEMA)]
 
 
+def _image_item(value: Any) -> RequestImage:
+    try:
+        return decode_image(value)
+    except ImageProblem as problem:
+        raise PydanticCustomError(problem.kind, str(problem)) from None
+
+
+def _images_total(value: Any) -> Any:
+    if not value:
+        return None
+    total = sum(image.nbytes for image in value)
+    if total > MAX_TOTAL_IMAGE_BYTES:
+        raise PydanticCustomError(
+            "images_too_large", f"images may have at most {MAX_TOTAL_IMAGE_BYTES} bytes (8 MiB) together; got {total}"
+        )
+    return tuple(value)
+
+
 def _media_validator(field: str, error_type: str, noun: str) -> Any:
     """A media field that must be absent or empty: silently ignoring media would answer wrongly."""
 
     def validate(value: Any) -> None:
         if value is None or (isinstance(value, (list, dict)) and not value):
             return None
-        raise PydanticCustomError(error_type, f"{noun} are not supported by this text-only runtime")
+        raise PydanticCustomError(error_type, f"{noun} are not supported by this runtime (images are: send them in 'images')")
 
-    schema = {"description": f"Not supported by this text-only runtime: leave out, null or empty ({field})."}
+    schema = {"description": f"Not supported by this runtime: leave out, null or empty ({field})."}
     return Annotated[Any, PlainValidator(validate), WithJsonSchema(schema)]
 
 
@@ -284,6 +305,23 @@ def _count_validator(
 
 QuestionId = Annotated[str, AfterValidator(_check_question_id)]
 OptionLabel = Annotated[str, AfterValidator(_check_label)]
+
+
+_IMAGES_SCHEMA = {
+    "type": "array",
+    "maxItems": MAX_IMAGES,
+    "items": {"type": "string", "description": "data:image/png|jpeg|webp;base64,... (4 MiB, 16 MP at most)"},
+    "description": "Up to 4 images as data URIs (8 MiB together); remote URLs are refused.",
+}
+_images_count = _count_validator(
+    "array", "'images' must be an array of data URIs", "a request takes", "images", 0, MAX_IMAGES, too_many="too_many_images"
+)
+Images = Annotated[
+    list[Annotated[Any, PlainValidator(_image_item)]],
+    BeforeValidator(lambda value: [] if value is None else _images_count.func(value)),
+    AfterValidator(_images_total),
+    WithJsonSchema(_IMAGES_SCHEMA),
+]
 
 
 # --------------------------------------------------------------------------------------------
@@ -387,7 +425,7 @@ class SystemOneRequest(BaseModel):
         ),
         Field(json_schema_extra={"minProperties": MIN_QUESTIONS, "maxProperties": MAX_QUESTIONS}),
     ] = Field(description="Questions keyed by caller-chosen ids; answers come back in this order.")
-    images: _media_validator("images", "images_unsupported", "images") = None
+    images: Images = None
     videos: _media_validator("videos", "videos_unsupported", "videos") = None
     assets: _media_validator("assets", "images_unsupported", "image assets") = None
 
@@ -411,7 +449,10 @@ class SystemOneRequest(BaseModel):
                 "instructions": question.instructions,
                 "criteria": criteria,
             }
-        return {"state": self.state, "questions": questions}
+        record: dict[str, Any] = {"state": self.state, "questions": questions}
+        if self.images:
+            record["images"] = self.images
+        return record
 
 
 class NoulAnswer(BaseModel):
@@ -616,6 +657,10 @@ def _translate(error: Mapping[str, Any]) -> dict[str, Any]:
         elif raw_loc[-1:] == ("[key]",):
             message = f"ids and labels must be strings; got {_kind(value)}"
 
+    if loc[:1] == ["images"] and not isinstance(value, (list, type(None))):
+        value = _short(value) if isinstance(value, str) else f"<{type(value).__name__}>"  # never echo the image
+    elif loc == ["images"] and isinstance(value, (list, tuple)):
+        value = f"<{len(value)} images>"
     safe_loc = [_short(part, limit=10**6) if isinstance(part, str) else part for part in loc]
     item: dict[str, Any] = {"type": error_type, "loc": ["body", *safe_loc], "msg": message, "input": _jsonable(value)}
     if ctx:
