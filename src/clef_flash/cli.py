@@ -268,6 +268,7 @@ def command_serve(args: argparse.Namespace) -> int:
     settings = {
         "api_key": args.api_key or None,
         "max_body_bytes": args.max_body_bytes,
+        "max_image_body_bytes": max(args.max_image_body_bytes, args.max_body_bytes),
         "batch_tokens": args.batch_tokens,
         "batch_wait_ms": args.batch_wait_ms,
         "max_batch": args.max_batch,
@@ -800,6 +801,12 @@ COMMANDS = (
                 help="require 'Authorization: Bearer KEY' on the API routes (default $CLEF_FLASH_API_KEY; unset: no key)",
             ),
             arg("--max-body-bytes", type=int, default=1 << 20, help="request body limit, also after decompression (default 1 MiB)"),
+            arg(
+                "--max-image-body-bytes",
+                type=int,
+                default=12 << 20,
+                help="the body limit for a request with images (default 12 MiB: 8 MiB of images as base64, and text)",
+            ),
             arg("--max-length", type=int, help="token limit per record; longer ones get 422 (default 65536)"),
             arg("--batch-tokens", type=int, help="padded tokens per batch (default: the model's, 8192)"),
             arg("--batch-wait-ms", type=float, default=5.0, help="how long a request waits for others to batch with (default 5)"),
@@ -808,9 +815,9 @@ COMMANDS = (
             arg(
                 "--max-parsing-bytes",
                 type=int,
-                default=8 << 20,
+                default=24 << 20,
                 help="bytes of bodies being read, parsed and tokenized at once, before 429 + Retry-After; "
-                "what bounds memory (default 8 MiB; at least twice --max-body-bytes)",
+                "what bounds memory (default 24 MiB; at least twice --max-image-body-bytes)",
             ),
             arg("--request-timeout", type=float, default=300.0, metavar="S", help="the longest a request waits for the model, then 503 (default 300)"),
             arg("--header-timeout", type=float, default=10.0, metavar="S", help="a request's headers must arrive within this, else 408 and close (default 10)"),

@@ -48,7 +48,7 @@ from .vocab import VOCAB_ROWS, write_tokenizer_files
 from .vocab import cache_dir as default_cache_dir
 
 #: Bump when the bytes of a generated release change; cached releases are rebuilt.
-RELEASE_BUILDER_VERSION = "2"  # 2: the processor configs
+RELEASE_BUILDER_VERSION = "1"
 #: The transformers version whose `save_pretrained` output the files reproduce.
 TRANSFORMERS_LAYOUT_VERSION = "5.23.0"
 
@@ -708,6 +708,16 @@ def _write_json(path: Path, value: object) -> None:
     path.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n")
 
 
+def _add_processor_configs(path: Path) -> None:
+    """A cached release written before the processor configs were part of the layout gains them (the weights
+    and every other file are unchanged, so the builder version stays and other checkouts keep the cache)."""
+    for name, processor in processor_configs().items():
+        if not (path / name).is_file():
+            staging = path / f".{name}.{os.getpid()}"
+            _write_json(staging, processor)
+            os.replace(staging, path / name)
+
+
 def _release_version() -> str:
     return f"{RELEASE_BUILDER_VERSION}.{VOCAB_BUILDER_VERSION}"
 
@@ -722,6 +732,7 @@ def tiny_release(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     name = f"release-tiny-v{_release_version()}"
     path = root / name
     if (path / "config.json").is_file():
+        _add_processor_configs(path)
         return path
     root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=root))

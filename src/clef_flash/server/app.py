@@ -47,7 +47,7 @@ from ..errors import InferenceError, RequestInvalid
 from ..request.protocol import parse_request_json
 from . import schemas
 from .batcher import Batcher, Job, QueueFull, WorkerUnavailable
-from .body import ApiError, ClientGone, ParseBudget, check_content_type, read_body
+from .body import ApiError, ClientGone, ParseBudget, body_too_large, check_content_type, read_body
 from .metrics import ServerMetrics
 
 if TYPE_CHECKING:
@@ -59,6 +59,8 @@ MODEL_ALIASES = ("clef-flash", "@cf/cloudflare/clef-flash", "clef")
 """Names a request's `model` may give for the served model (besides none at all)."""
 WORKERS_AI_MODEL = "@cf/cloudflare/clef-flash"
 DEFAULT_MAX_BODY_BYTES = 1 << 20
+# A body with images may be larger: the hosted 8 MiB of images as base64 (4/3) plus a text body.
+DEFAULT_MAX_IMAGE_BODY_BYTES = 12 << 20
 REQUEST_ID_HEADERS = ("x-request-id", "x-typesafe-request-id")  # ours; the one typesafe-sdk reads
 WARM_UP_REQUEST = {
     "state": "warm-up",
@@ -70,6 +72,7 @@ WARM_UP_REQUEST = {
 class ServerSettings:
     api_key: str | None = None  # when set, a matching `Authorization: Bearer` is required
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # on the wire and after decompression
+    max_image_body_bytes: int = DEFAULT_MAX_IMAGE_BODY_BYTES  # the same, for a body whose request has images
     batch_tokens: int | None = None  # padded tokens per batch; None: the model's batch_tokens
     batch_wait_ms: float = 5.0  # how long the oldest queued record waits for company
     max_batch: int = 64  # records per batch
@@ -77,7 +80,7 @@ class ServerSettings:
     retry_after_s: int = 1
     warm_up: bool = True
     # Bodies being read, decompressed, parsed and tokenized at once (429 beyond): what bounds memory.
-    max_parsing_bytes: int = 8 * DEFAULT_MAX_BODY_BYTES  # at least twice max_body_bytes (raw + decompressed)
+    max_parsing_bytes: int = 2 * DEFAULT_MAX_IMAGE_BODY_BYTES  # at least twice the body limits (raw + decompressed)
     max_parsing: int = 32  # requests
     request_timeout_s: float = 300.0  # the longest a request waits for the model (then 503)
     # Deadlines of the uvicorn transport (transport.py; not enforced under other ASGI servers):
@@ -87,10 +90,12 @@ class ServerSettings:
     shutdown_timeout_s: float = 30.0  # from SIGTERM: then what is left is answered 503 and the process exits
 
     def __post_init__(self) -> None:
-        if self.max_parsing_bytes < 2 * self.max_body_bytes:
+        if self.max_image_body_bytes < self.max_body_bytes:
+            raise ValueError(f"max_image_body_bytes ({self.max_image_body_bytes}) must be at least max_body_bytes ({self.max_body_bytes})")
+        if self.max_parsing_bytes < 2 * self.max_image_body_bytes:
             raise ValueError(
-                f"max_parsing_bytes ({self.max_parsing_bytes}) must be at least twice max_body_bytes "
-                f"({self.max_body_bytes}): a compressed body is held with its decompressed copy"
+                f"max_parsing_bytes ({self.max_parsing_bytes}) must be at least twice max_image_body_bytes "
+                f"({self.max_image_body_bytes}): a compressed body is held with its decompressed copy"
             )
         if min(self.request_timeout_s, self.header_timeout_s, self.body_timeout_s, self.shutdown_timeout_s) <= 0:
             raise ValueError("the timeouts must be positive")
@@ -377,8 +382,11 @@ class SystemOneServer:
             )
 
     def prepare(self, raw: bytes) -> Prepared:
-        """Parse, check the model name and encode; raises RequestInvalid (422)."""
+        """Parse, check the model name and encode; raises RequestInvalid (422). Only a request with images may
+        pass the text body limit (up to max_image_body_bytes): 413 otherwise."""
         parsed = parse_request_json(raw)
+        if len(raw) > self.settings.max_body_bytes and not parsed.images:
+            raise body_too_large(self.settings.max_body_bytes, f"{len(raw)} bytes without images are")
         if parsed.model and parsed.model not in self.served_names:
             names = ", ".join(repr(name) for name in self.served_names)
             raise RequestInvalid(
@@ -418,7 +426,7 @@ class SystemOneServer:
             raise _unavailable("the server is shutting down", retry_after)
         check_content_type(request.headers.get("content-type"))
         with self.parse_budget.reserve() as reservation:  # 429 past the bytes or requests being parsed
-            raw = await read_body(request, self.settings.max_body_bytes, reservation)
+            raw = await read_body(request, self.settings.max_image_body_bytes, reservation)
             prepared = await run_in_threadpool(self.prepare, raw)  # tokenizing a 1 MiB state takes a while
             del raw
         try:
