@@ -117,9 +117,9 @@ def as_request(state, images, *, form=data_uri):
     return {"model": "clef-flash", "state": state, "images": [form(image) for image in images], "questions": QUESTIONS}
 
 
-def reference_logits(reference, state, images):
+def reference_logits(reference, state, images, questions=QUESTIONS):
     jsm, model, processor = reference
-    record = {"state": state, "images": [image.convert("RGB") if image.mode == "P" else image for image in images], "questions": QUESTIONS}
+    record = {"state": state, "images": list(images), "questions": questions}
     encoded_record = jsm.encode_record(processor.tokenizer, record, processor=processor, max_length=65536)
     with torch.no_grad():
         logits = model(jsm.collate_records([encoded_record], processor.tokenizer.pad_token_id, torch.device("cpu")))[0]
@@ -277,3 +277,33 @@ def test_server_answers_images_past_the_text_body_limit(clef, server):
     text = json.dumps({"state": "x" * (1 << 20), "questions": QUESTIONS}).encode()
     refused = server.post("/v1/systemone", content=text)
     assert refused.status_code == 413 and "without images" in refused.json()["detail"]
+
+
+def test_state_reuse_keys_on_the_images(clef, reference):
+    """Two records with the same images and state share one prefix + state run; the same state with other
+    images of the same sizes (the same tokens) is not mistaken for it."""
+    state, images = CASES["2-aspects"]
+    other_images = [picture(image.width, image.height, seed=40 + n, mode=image.mode) for n, image in enumerate(images)]
+    first = as_request(state, images)
+    other_questions = {"urgent": QUESTIONS["urgent"], "kind": QUESTIONS["kind"]}
+    second = as_request(state, images) | {"questions": other_questions}
+    third = as_request(state, other_images)
+    assert clef.encode(first).input_ids[:200] == clef.encode(third).input_ids[:200]
+    from clef_flash.engine.backend import Timings
+
+    timings = Timings()
+    records = [clef.encode(request) for request in (first, second, third)]
+    results = clef.score(records, timings)
+    kept = records[0].prefix_tokens + records[0].state_tokens
+    # the second record continues the first's state (the first too when an earlier test kept it); the third never
+    assert timings.tokens_reused in (kept, 2 * kept), (timings.tokens_reused, kept)
+    _, expected_first = reference_logits(reference, state, images)
+    _, expected_second = reference_logits(reference, state, images, other_questions)
+    _, expected_third = reference_logits(reference, state, other_images)
+    worst = 0.0
+    for per_question, expected in ((results[0], expected_first), (results[1], expected_second), (results[2], expected_third)):
+        for result in per_question:
+            want = torch.tensor([expected[result.question_id][o] for o in result.option_ids], dtype=torch.float64)
+            worst = max(worst, ((torch.tensor(result.logits) - want).abs().max() / want.abs().max()).item())
+    print(f"records continuing a kept state with images vs the reference: rel {worst:.1e}")
+    assert worst <= 1e-5

@@ -88,7 +88,19 @@ def read_stdin() -> str:
 
 
 def read_request(args: argparse.Namespace) -> Any:
-    """The request body from --state/--question flags, a file, or stdin."""
+    """The request body from --state/--question flags, a file, or stdin; --image paths join its images."""
+    request = _read_request_body(args)
+    if getattr(args, "image", None):
+        if not isinstance(request, dict):
+            raise ClefError("--image needs a request object")
+        for path in args.image:
+            if not Path(path).is_file():
+                raise ClefError(f"no image file at {path}")
+        request = {**request, "images": [*(request.get("images") or []), *map(Path, args.image)]}
+    return request
+
+
+def _read_request_body(args: argparse.Namespace) -> Any:
     if args.state is not None or args.state_file is not None or args.question:
         if args.request:
             raise ClefError("give either a request file or --state/--question flags, not both")
@@ -346,15 +358,34 @@ def engine_spec(args: argparse.Namespace, **options: Any):
 def command_render(args: argparse.Namespace) -> int:
     from .checkpoint.sources import resolve_source
     from .request.protocol import parse_request
+    from .request.images import ImageProcessorConfig
     from .request.records import DEFAULT_MAX_LENGTH, encode_record
     from .request.tokenizer import Tokenizer
 
     request = parse_request(read_request(args))
-    tokenizer = Tokenizer.from_file(resolve_source(args.model, revision=args.revision) / "tokenizer.json")
+    root = resolve_source(args.model, revision=args.revision)
+    tokenizer = Tokenizer.from_file(root / "tokenizer.json")
+    processor = root / "preprocessor_config.json"
+    image_processor = ImageProcessorConfig.from_dict(json.loads(processor.read_text())) if processor.is_file() else None
     limit = args.max_length or DEFAULT_MAX_LENGTH
-    record = encode_record(tokenizer, request, max_length=limit, truncate_state=args.truncate_state)
+    record = encode_record(tokenizer, request, max_length=limit, truncate_state=args.truncate_state, image_processor=image_processor)
     ids = record.input_ids
     marks: dict[int, list[str]] = {}
+    if record.media is not None:  # each image's pads as one mark: ⟦IMAGE i: t×h×w merged patches = n tokens⟧
+        pads = [position for position, token in enumerate(ids) if token == record.media.pad_id]
+        runs = [[pads[0]]] if pads else []
+        for position in pads[1:]:
+            if position == runs[-1][-1] + 1:
+                runs[-1].append(position)
+            else:
+                runs.append([position])
+        merge = record.media.merge
+        for number, (run, (t, h, w)) in enumerate(zip(runs, record.media.grids), start=1):
+            marks.setdefault(run[0], []).append(f"⟦IMAGE {number}: {t}x{h // merge}x{w // merge} = {len(run)} tokens⟧")
+            marks.setdefault(run[-1] + 1, [])
+        skipped = set(pads)
+    else:
+        skipped = set()
     for question in record.questions:
         start, end = question.question_span
         marks.setdefault(start, []).append(f"⟦Q {question.question_id}:")
@@ -364,14 +395,15 @@ def command_render(args: argparse.Namespace) -> int:
             marks.setdefault(end, []).insert(0, "⟧")
     pieces, cursor = [], 0
     for position in sorted(marks):
-        pieces.append(tokenizer.decode(ids[cursor:position]))
+        pieces.append(tokenizer.decode([token for at, token in enumerate(ids[cursor:position], cursor) if at not in skipped]))
         pieces.append("".join(marks[position]))
         cursor = position
     pieces.append(tokenizer.decode(ids[cursor:]))
     print("".join(pieces))
     cut = f" ({record.state_tokens_dropped} cut from its end)" if args.truncate_state else ""
+    images = f" (images {record.media.tokens})" if record.media is not None else ""
     print(
-        f"\n--- tokens: prefix {record.prefix_tokens}, state {record.state_tokens}{cut}, schema {record.schema_tokens}, "
+        f"\n--- tokens: prefix {record.prefix_tokens}{images}, state {record.state_tokens}{cut}, schema {record.schema_tokens}, "
         f"suffix {record.suffix_tokens}; total {record.token_count} of {limit}",
         file=sys.stderr,
     )
@@ -612,6 +644,13 @@ REQUEST_ARGUMENTS = (
         metavar="SPEC",
         help="ID=TYPE:INSTRUCTIONS[:CRITERIA], repeatable: 'urgent=noul:Is it urgent?', "
         "'team=choice:Which team?:billing=Charges,engineering=Bugs', 'urgency=score:How urgent?:Low,Normal,High'",
+    ),
+    arg(
+        "--image",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="an image (PNG, JPEG or WebP) in the state, repeatable up to 4; added to a request file's images too",
     ),
 )
 

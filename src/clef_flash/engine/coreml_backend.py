@@ -46,7 +46,7 @@ class CoreMLBackend:
     def state_nbytes(self, tokens: int) -> int:
         return 0
 
-    def run_states(self, rows: Sequence[Sequence[int]], timings: Timings) -> list[CachedState]:
+    def run_states(self, rows: Sequence[Sequence[int]], timings: Timings, media=None) -> list[CachedState]:
         raise ClefError(f"Core ML: {self.state_reuse_unsupported}")
 
     def forward(

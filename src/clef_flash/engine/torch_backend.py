@@ -24,7 +24,7 @@ from ..model.qwen3_5 import DecoderState
 from ..plan import Plan
 from ..model.vision import rope_positions
 from ..prefill import DEFAULT_SEGMENT_TOKENS, RowMedia, run_segments
-from ..request.records import EncodedRecord
+from ..request.records import EncodedRecord, RecordMedia
 from ..state_cache import CachedState
 from .backend import HeadClock, QuestionResult, Timings
 
@@ -63,8 +63,11 @@ class TorchBackend:
     def state_nbytes(self, tokens: int) -> int:
         return self.parts.decoder.state_nbytes(tokens) + tokens * self.parts.head.config.width * 4
 
-    def run_states(self, rows: Sequence[Sequence[int]], timings: Timings) -> list[CachedState]:
-        """Run each row (a prefix + state) and keep its decoder state and the head's memory rows."""
+    def run_states(
+        self, rows: Sequence[Sequence[int]], timings: Timings, media: Sequence[RecordMedia | None] | None = None
+    ) -> list[CachedState]:
+        """Run each row (a prefix + state, with its record's images) and keep its decoder state and the head's
+        memory rows."""
         memory: list[list[torch.Tensor]] = [[] for _ in rows]
         clock = HeadClock(timings)
 
@@ -83,6 +86,7 @@ class TorchBackend:
             device=self.device,
             on_segment=keep_memory,
             keep_states=True,
+            media=None if media is None else self._media(rows, media, [False] * len(rows)),
         )
         kept = [CachedState(state, torch.cat(pieces), len(row)) for state, pieces, row in zip(states, memory, rows)]
         self._sync()
@@ -118,7 +122,7 @@ class TorchBackend:
             device=self.device,
             on_segment=read,
             state=state,
-            media=self._media(records),
+            media=self._media([record.input_ids for record in records], [record.media for record in records], [entry is not None for entry in entries]),
         )
         self._sync()
         clock.close(time.perf_counter() - start)
@@ -136,30 +140,32 @@ class TorchBackend:
             for record, record_logits, record_probabilities in zip(records, per_record_logits, per_record_probabilities)
         ]
 
-    def _media(self, records: Sequence[EncodedRecord]) -> list[RowMedia | None] | None:
-        """The vision tower over every image of the forward at once (attention stays within each image), its
-        features split back per record, with each record's pad positions and 3-D positions."""
-        with_media = [record for record in records if record.media is not None]
-        if not with_media:
+    def _media(
+        self, rows: Sequence[Sequence[int]], media: Sequence[RecordMedia | None], continuing: Sequence[bool]
+    ) -> list[RowMedia | None] | None:
+        """Per row: its 3-D positions (over the whole record) and, for a row run from its start, its image
+        features. The vision tower runs once over every image of those rows (attention stays within each
+        image); a row continuing a kept state has its images behind it (they precede the state)."""
+        if all(item is None for item in media):
             return None
-        pixels = torch.from_numpy(np.concatenate([record.media.pixel_values for record in with_media]))
-        grids = [grid for record in with_media for grid in record.media.grids]
-        features = self.parts.vision(pixels.to(self.device), grids).to(self.parts.decoder.dtype)  # [pads, D]
-        per_record = iter(features.split([record.media.tokens for record in with_media]))
+        fresh = [item for item, going_on in zip(media, continuing) if item is not None and not going_on]
+        per_record = iter(())
+        if fresh:
+            pixels = torch.from_numpy(np.concatenate([item.pixel_values for item in fresh]))
+            grids = [grid for item in fresh for grid in item.grids]
+            features = self.parts.vision(pixels.to(self.device), grids).to(self.parts.decoder.dtype)  # [pads, D]
+            per_record = iter(features.split([item.tokens for item in fresh]))
         out: list[RowMedia | None] = []
-        for record in records:
-            media = record.media
-            if media is None:
+        for ids, item, going_on in zip(rows, media, continuing):
+            if item is None:
                 out.append(None)
                 continue
-            ids = torch.tensor(record.input_ids)
-            out.append(
-                RowMedia(
-                    features=next(per_record),
-                    pad_positions=(ids == media.pad_id).nonzero().flatten(),
-                    positions=rope_positions(record.input_ids, media.grids, {media.pad_id}, media.merge),
-                )
-            )
+            positions = rope_positions(ids, item.grids, {item.pad_id}, item.merge)
+            if going_on:
+                out.append(RowMedia(torch.empty(0), torch.empty(0, dtype=torch.long), positions))
+            else:
+                pads = (torch.tensor(ids) == item.pad_id).nonzero().flatten()
+                out.append(RowMedia(next(per_record), pads, positions))
         return out
 
     def _empty(self) -> DecoderState:
