@@ -136,7 +136,8 @@ class Engine:
         kept: dict[str, CachedState] = {}
         for group in self.pack(list(range(len(keys))), [len(row) for row in rows]):
             media = [records[keys[index]].media for index in group]
-            ran = self.backend.run_states([rows[index] for index in group], timings, media if any(media) else None)
+            with_media = {"media": media} if any(item is not None for item in media) else {}
+            ran = self.backend.run_states([rows[index] for index in group], timings, **with_media)
             for index, entry in zip(group, ran):
                 kept[keys[index]] = entry
                 self.state_cache.put(keys[index], entry)
