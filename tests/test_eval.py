@@ -7,7 +7,6 @@ import json
 import math
 import struct
 
-import numpy as np
 import pytest
 
 from clef_flash.cli import main

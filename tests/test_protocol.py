@@ -151,8 +151,9 @@ MALFORMED = [
     ("instructions-number", question(type="noul", instructions=42), [*Q, "instructions"], "content_type"),
     ("instructions-bool", question(type="noul", instructions=True), [*Q, "instructions"], "content_type"),
     ("unknown-question-field", question(type="noul", instruction="typo"), [*Q, "instruction"], "extra_forbidden"),
-    ("images", body(images=["data:image/png;base64,AAAA"]), ["body", "images"], "images_unsupported"),
-    ("images-string", body(images="data:image/png;base64,AAAA"), ["body", "images"], "images_unsupported"),
+    ("images-undecodable", body(images=["data:image/png;base64,AAAA"]), ["body", "images", 0], "image_undecodable"),
+    ("images-string", body(images="data:image/png;base64,AAAA"), ["body", "images"], "list_type"),
+    ("images-url", body(images=["https://example.com/a.png"]), ["body", "images", 0], "image_url_refused"),
     (
         "assets",
         body(assets={"<image:1>": {"type": "image", "part": "asset-0"}}),
@@ -208,7 +209,8 @@ def test_messages_say_what_is_allowed():
     unknown = errors_of(question(type="box"))[0]
     assert all(name in unknown["msg"] for name in ("'box'", "'noul'", "'choice'", "'score'"))
     assert unknown["input"] == "box"
-    assert errors_of(body(images=["x"]))[0]["msg"] == "images are not supported by this text-only runtime"
+    assert errors_of(body(images=["x"]))[0]["msg"] == "an image must be a data URI: data:image/png|jpeg|webp;base64,..."
+    assert errors_of(body(videos=["v.mp4"]))[0]["msg"] == "videos are not supported by this runtime (images are: send them in 'images')"
     assert errors_of(question(type="choice", criteria=options(1)))[0]["ctx"] == {
         "min_length": 2,
         "max_length": 255,
@@ -624,7 +626,15 @@ def test_every_published_bound_is_the_enforced_one():
             assert errors_of(make(refused)), (what, refused)
 
 
-@pytest.mark.parametrize("field", ["images", "videos", "assets"])
+def test_images_are_published_with_their_count_limit():
+    null, published = SystemOneRequest.model_json_schema()["properties"]["images"]["anyOf"]
+    assert null == {"type": "null"} and published["type"] == "array" and published["maxItems"] == 4
+    assert published["items"]["pattern"].startswith("^data:image/(png|jpeg|webp);base64,")
+    for media in ([{"url": "x"}], {"a": 1}, 0, "", ["https://example.com/a.png"], ["data:image/png;base64,x"] * 5):
+        assert errors_of(body(images=media))[0]["loc"][:2] == ["body", "images"]
+
+
+@pytest.mark.parametrize("field", ["videos", "assets"])
 def test_media_fields_are_published_as_empty_only(field):
     published = SystemOneRequest.model_json_schema()["properties"][field]["anyOf"]
     assert published == [{"type": "null"}, {"type": "array", "maxItems": 0}, {"type": "object", "maxProperties": 0}]

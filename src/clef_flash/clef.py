@@ -140,7 +140,13 @@ class Clef:
 
     def encode(self, request: Any, *, truncate_state: bool = False) -> EncodedRecord:
         """Validate a request and render it to token ids and spans (SPEC §3)."""
-        return encode_record(self.tokenizer, self.parse(request), max_length=self.max_length, truncate_state=truncate_state)
+        return encode_record(
+            self.tokenizer,
+            self.parse(request),
+            max_length=self.max_length,
+            truncate_state=truncate_state,
+            image_processor=self.checkpoint.image_processor,
+        )
 
     def prepare(self, request: Any, *, truncate_state: bool = False) -> Prepared:
         """Parse and encode a request (raises RequestInvalid / RecordTooLong, before any inference), and

@@ -92,8 +92,20 @@ def read_stdin() -> str:
 
 
 def read_request(args: argparse.Namespace) -> Any:
-    """The request body from --state/--question flags (or --set), a file, or stdin."""
-    if args.state is not None or args.state_file is not None or args.question or args.set:
+    """The request body from --state/--question flags (or --set), a file, or stdin; --image paths join its images."""
+    request = _read_request_body(args)
+    if getattr(args, "image", None):
+        if not isinstance(request, dict):
+            raise ClefError("--image needs a request object")
+        for path in args.image:
+            if not Path(path).is_file():
+                raise ClefError(f"no image file at {path}")
+        request = {**request, "images": [*(request.get("images") or []), *map(Path, args.image)]}
+    return request
+
+
+def _read_request_body(args: argparse.Namespace) -> Any:
+    if args.state is not None or args.state_file is not None or args.question or getattr(args, "set", None):
         if args.request:
             raise ClefError("give either a request file or --state/--question/--set flags, not both")
         if args.set and args.question:
@@ -278,6 +290,7 @@ def command_serve(args: argparse.Namespace) -> int:
     settings = {
         "api_key": args.api_key or None,
         "max_body_bytes": args.max_body_bytes,
+        "max_image_body_bytes": max(args.max_image_body_bytes, args.max_body_bytes),
         "batch_tokens": args.batch_tokens,
         "batch_wait_ms": args.batch_wait_ms,
         "max_batch": args.max_batch,
@@ -427,17 +440,22 @@ def engine_spec(args: argparse.Namespace, **options: Any):
 def command_render(args: argparse.Namespace) -> int:
     from .checkpoint.sources import resolve_source
     from .request.protocol import parse_request
+    from .request.images import ImageProcessorConfig
     from .request.records import DEFAULT_MAX_LENGTH, encode_record, marked_text
     from .request.tokenizer import Tokenizer
 
     request = parse_request(read_request(args))
-    tokenizer = Tokenizer.from_file(resolve_source(args.model, revision=args.revision) / "tokenizer.json")
+    root = resolve_source(args.model, revision=args.revision)
+    tokenizer = Tokenizer.from_file(root / "tokenizer.json")
+    processor = root / "preprocessor_config.json"
+    image_processor = ImageProcessorConfig.from_dict(json.loads(processor.read_text())) if processor.is_file() else None
     limit = args.max_length or DEFAULT_MAX_LENGTH
-    record = encode_record(tokenizer, request, max_length=limit, truncate_state=args.truncate_state)
+    record = encode_record(tokenizer, request, max_length=limit, truncate_state=args.truncate_state, image_processor=image_processor)
     print(marked_text(tokenizer, record))
     cut = f" ({record.state_tokens_dropped} cut from its end)" if args.truncate_state else ""
+    images = f" (images {record.media.tokens})" if record.media is not None else ""
     print(
-        f"\n--- tokens: prefix {record.prefix_tokens}, state {record.state_tokens}{cut}, schema {record.schema_tokens}, "
+        f"\n--- tokens: prefix {record.prefix_tokens}{images}, state {record.state_tokens}{cut}, schema {record.schema_tokens}, "
         f"suffix {record.suffix_tokens}; total {record.token_count} of {limit}",
         file=sys.stderr,
     )
@@ -697,6 +715,13 @@ REQUEST_ARGUMENTS = (
         "'team=choice:Which team?:billing=Charges,engineering=Bugs', 'urgency=score:How urgent?:Low,Normal,High'",
     ),
     arg("--set", metavar="NAME", help="ask a saved question set (clef-flash sets list) about --state, instead of --question"),
+    arg(
+        "--image",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="an image (PNG, JPEG or WebP) in the state, repeatable up to 4; added to a request file's images too",
+    ),
 )
 
 TRUNCATE_STATE = arg(
@@ -902,6 +927,12 @@ COMMANDS = (
                 help="require 'Authorization: Bearer KEY' on the API routes (default $CLEF_FLASH_API_KEY; unset: no key)",
             ),
             arg("--max-body-bytes", type=int, default=1 << 20, help="request body limit, also after decompression (default 1 MiB)"),
+            arg(
+                "--max-image-body-bytes",
+                type=int,
+                default=12 << 20,
+                help="the body limit for a request with images (default 12 MiB: 8 MiB of images as base64, and text)",
+            ),
             arg("--max-length", type=int, help="token limit per record; longer ones get 422 (default 65536)"),
             arg("--batch-tokens", type=int, help="padded tokens per batch (default: the model's, 8192)"),
             arg("--batch-wait-ms", type=float, default=5.0, help="how long a request waits for others to batch with (default 5)"),
@@ -910,9 +941,9 @@ COMMANDS = (
             arg(
                 "--max-parsing-bytes",
                 type=int,
-                default=8 << 20,
+                default=24 << 20,
                 help="bytes of bodies being read, parsed and tokenized at once, before 429 + Retry-After; "
-                "what bounds memory (default 8 MiB; at least twice --max-body-bytes)",
+                "what bounds memory (default 24 MiB; at least twice --max-image-body-bytes)",
             ),
             arg("--request-timeout", type=float, default=300.0, metavar="S", help="the longest a request waits for the model, then 503 (default 300)"),
             arg("--header-timeout", type=float, default=10.0, metavar="S", help="a request's headers must arrive within this, else 408 and close (default 10)"),

@@ -100,3 +100,8 @@ class BundleError(WeightsError):
 
 class InferenceError(ClefError):
     """The model failed while answering a valid request."""
+
+
+def images_unsupported(message: str) -> RequestInvalid:
+    """A request with images for a model source that cannot read them (a 422 at `["body", "images"]`)."""
+    return RequestInvalid([{"type": "images_unsupported", "loc": ["body", "images"], "msg": message}])

@@ -10,6 +10,7 @@ the head's memory rows (kept by the callback); state_cache.py gives both per tok
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -24,6 +25,16 @@ DEFAULT_SEGMENT_TOKENS = 2048
 OnSegment = Callable[[torch.Tensor, list[int], list[int], list[int]], None]
 
 
+@dataclass(frozen=True)
+class RowMedia:
+    """A row's image features and where they go: the pad tokens at `pad_positions` (token indices of the row)
+    take the rows of `features` in order; every token has its 3-D M-RoPE position in `positions` [3, T]."""
+
+    features: torch.Tensor  # [pads, D], the model dtype
+    pad_positions: torch.Tensor  # [pads] long
+    positions: torch.Tensor  # [3, T] long
+
+
 def run_segments(
     decoder: Qwen35Decoder,
     rows: Sequence[Sequence[int]],
@@ -34,8 +45,12 @@ def run_segments(
     on_segment: OnSegment,
     state: DecoderState | None = None,
     keep_states: bool = False,
+    media: Sequence[RowMedia | None] | None = None,
 ) -> list[DecoderState] | None:
     """Run every row's tokens (row i continuing from row i of `state`, if given) in steps of `segment`.
+
+    `media[i]` (rows with images, run from their start): image features replace the pad tokens' embeddings
+    and the rows of the step take 3-D positions (text rows their plain ones, equal on the three axes).
 
     With `keep_states`, returns each row's final state on its own (compact; what a cache keeps).
     """
@@ -48,6 +63,7 @@ def run_segments(
     kept: list[DecoderState | None] = [None] * len(rows)
     past = [0] * len(rows) if state is None else list(state.lengths)
     reserve = max((past[row] + len(rows[index]) for row, index in enumerate(active)), default=0)
+    past_of = {index: past[row] for row, index in enumerate(active)}
     while active:
         counts = [min(segment, len(rows[index]) - done[index]) for index in active]
         finishing = [done[index] + count == len(rows[index]) for index, count in zip(active, counts)]
@@ -55,7 +71,10 @@ def run_segments(
         input_ids = torch.full((len(active), max(counts)), pad_id, dtype=torch.long)
         for row, (index, count) in enumerate(zip(active, counts)):
             input_ids[row, :count] = torch.tensor(rows[index][done[index] : done[index] + count], dtype=torch.long)
-        output = decoder(input_ids.to(device), counts, state=state, return_state=return_state, reserve=reserve)
+        inputs = {}
+        if media is not None and any(media[index] is not None for index in active):
+            inputs = _media_inputs(decoder, input_ids.to(device), [media[index] for index in active], [past_of[index] + done[index] for index in active], counts)
+        output = decoder(input_ids.to(device), counts, state=state, return_state=return_state, reserve=reserve, **inputs)
         hidden, state = output if return_state else (output, None)
         on_segment(hidden, active, [done[index] for index in active], counts)
         del hidden, output
@@ -70,3 +89,23 @@ def run_segments(
             state = state.select(going)
         active = [active[row] for row in going]
     return kept if keep_states else None  # type: ignore[return-value]
+
+
+def _media_inputs(
+    decoder: Qwen35Decoder, input_ids: torch.Tensor, media: Sequence[RowMedia | None], starts: Sequence[int], counts: Sequence[int]
+) -> dict[str, torch.Tensor]:
+    """The step's embeddings with image features scattered in, and its 3-D positions [3, B, L]."""
+    B, L = input_ids.shape
+    embeds = decoder.embed_tokens(input_ids).to(decoder.dtype)  # [B, L, D]
+    positions = torch.empty(3, B, L, dtype=torch.long)
+    for row, (item, start, count) in enumerate(zip(media, starts, counts)):
+        if item is None:
+            positions[:, row] = torch.arange(start, start + L)
+            continue
+        positions[:, row, :count] = item.positions[:, start : start + count]
+        after = int(item.positions[:, start + count - 1].max()) + 1  # padding: any position past the real ones
+        positions[:, row, count:] = torch.arange(after, after + L - count)
+        inside = (item.pad_positions >= start) & (item.pad_positions < start + count)
+        if inside.any():
+            embeds[row, item.pad_positions[inside] - start] = item.features[inside.to(item.features.device)].to(embeds.dtype)
+    return {"embeds": embeds, "positions": positions.to(input_ids.device)}

@@ -20,7 +20,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..errors import ModelSourceError
 from ..errors import WeightsError
-from .names import DECODER_PREFIX, IGNORED_PREFIXES, LM_HEAD, outlier_counts
+from .names import DECODER_PREFIX, IGNORED_PREFIXES, LM_HEAD, VISION_PREFIX, outlier_counts
 from .quant import QuantizingSource, replace_linears
 from .w8a8 import INT_MM
 from .safetensors_io import TensorSource
@@ -47,9 +47,11 @@ class KeyReport:
             raise WeightsError(f"{where} does not match the model: " + "; ".join(problems))
 
 
-def check_keys(expected: dict[str, tuple[int, ...]], available: dict[str, tuple[int, ...]]) -> KeyReport:
-    """Compare the tensors a module needs with those a file holds (ignored prefixes skipped)."""
-    relevant = {name for name in available if not name.startswith(IGNORED_PREFIXES)}
+def check_keys(
+    expected: dict[str, tuple[int, ...]], available: dict[str, tuple[int, ...]], ignored: tuple[str, ...] = IGNORED_PREFIXES
+) -> KeyReport:
+    """Compare the tensors a module needs with those a file holds (`ignored` prefixes skipped)."""
+    relevant = {name for name in available if not name.startswith(ignored)}
     return KeyReport(
         missing=sorted(set(expected) - relevant),
         unexpected=sorted(relevant - set(expected)),
@@ -152,6 +154,7 @@ class ModelParts:
     decoder: nn.Module  # Qwen35Decoder
     head: nn.Module  # JointHead (fp32)
     lm_head: torch.Tensor  # [V, D] output embeddings, as stored (rows gathered by the head)
+    vision: nn.Module | None = None  # VisionTower (model.visual.*); None: the source has no tower (text only)
 
 
 def build_model(checkpoint: Checkpoint, plan: Plan, *, resident_layers: int | None = None) -> ModelParts:
@@ -219,4 +222,32 @@ def build_model(checkpoint: Checkpoint, plan: Plan, *, resident_layers: int | No
         dtype_of=precision.head_dtype_of,
         device=device,
     )
-    return ModelParts(decoder=decoder.eval(), head=head.eval(), lm_head=lm_head)
+    vision = build_vision(checkpoint, checkpoint.tensors, precision=precision, device=device)
+    return ModelParts(decoder=decoder.eval(), head=head.eval(), lm_head=lm_head, vision=vision)
+
+
+def build_vision(checkpoint: Checkpoint, tensors: TensorSource, *, precision, device: torch.device) -> nn.Module | None:
+    """The vision tower from `model.visual.*`, strictly by name, when the source has one and an image processor;
+    in `precision.vision_dtype` (the float precision's dtype; as released under int8)."""
+    if checkpoint.processor_config is None or "vision_config" not in checkpoint.config:
+        return None
+    if not any(name.startswith(VISION_PREFIX) for name in tensors.keys()):
+        return None
+    from ..model.vision import VisionConfig, VisionTower
+
+    try:
+        config = VisionConfig.from_release_config(checkpoint.config)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ModelSourceError(f"{checkpoint.where}: unsupported or malformed vision_config: {exc}") from exc
+    with meta_modules():
+        tower = VisionTower(config)
+    expected = module_shapes(tower, VISION_PREFIX)
+    available = {name: tensors.shape(name) for name in tensors.keys() if name.startswith(VISION_PREFIX)}
+    check_keys(expected, available, ignored=()).raise_if_any(f"{checkpoint.where} ({checkpoint.decoder_files}, the vision tower)")
+    fill_module(
+        tower,
+        ((name[len(VISION_PREFIX) :], tensors.get(name)) for name in expected),
+        dtype_of=lambda name, stored: precision.vision_dtype(stored),
+        device=device,
+    )
+    return tower.eval()

@@ -9,6 +9,7 @@ file for file, key for key and shape for shape:
     joint_head.safetensors           the joint schema head, fp32, keys of the reference JointSchemaHead
     joint_head_config.json           hidden_size, width, routing_layers, layers, heads, feedforward
     tokenizer.json, tokenizer_config.json   the real Qwen3.5 vocabulary (checkpoint/vocab.py)
+    preprocessor_config.json, video_preprocessor_config.json   the image and video processors (Qwen3-VL's)
     RANDOM_RELEASE.md                says the weights are random
 
 The tensor table (names, shapes, how each tensor is drawn) is not written here: `tensor_table` /
@@ -136,6 +137,19 @@ RANDOM_CONFIGS: dict[str, RandomConfig] = {
             linear_key_head_dim=16, linear_value_head_dim=16,
         ),
         HeadConfig(hidden_size=64, width=32, routing_layers=2, layers=2, heads=4, feedforward=64),
+    ),
+    # tiny with a 2-block vision tower and 4 rotary frequencies (head_dim 32): every M-RoPE axis turns
+    # (tiny's 2 frequencies leave the width axis out). The vision parity tests use it.
+    "tiny-vision": RandomConfig(
+        "tiny-vision",
+        _text(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+            linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_key_head_dim=16, linear_value_head_dim=16,
+        ),
+        HeadConfig(hidden_size=64, width=32, routing_layers=2, layers=2, heads=4, feedforward=64),
+        vision=VisionConfig(depth=2, hidden_size=32, intermediate_size=64, num_heads=2),
     ),
     # The 9B per-head sizes (head_dim 256, 16/4 attention heads, 16/32 DeltaNet heads of 128) on a
     # narrow residual stream, 4 layers: exercises the real kernel shapes at a fraction of the cost.
@@ -580,15 +594,51 @@ def write_random_release(
     _write_json(out / "joint_head_config.json", config.head_config())
     _write_json(out / "config.json", release_config(config, seed=seed, dtype=dtype, mtp=mtp))
     write_tokenizer_files(out)
+    for name, processor in processor_configs().items():
+        _write_json(out / name, processor)
     (out / "RANDOM_RELEASE.md").write_text(
         RANDOM_RELEASE_NOTE.format(version=RELEASE_BUILDER_VERSION, name=config.name, seed=seed)
     )
     return out
 
 
+def processor_configs() -> dict[str, dict]:
+    """`preprocessor_config.json` and `video_preprocessor_config.json` as Qwen3.5 releases ship them (Qwen3-VL's
+    processors: patch 16, temporal patch 2, merge 2, mean = std = 0.5; images from 256x256 to 16 MP)."""
+    shared = {
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "merge_size": 2,
+        "patch_size": 16,
+        "processor_class": "Qwen3VLProcessor",
+        "temporal_patch_size": 2,
+    }
+    image = {**shared, "image_processor_type": "Qwen2VLImageProcessorFast", "size": {"longest_edge": 16777216, "shortest_edge": 65536}}
+    video = {
+        **shared,
+        "do_sample_frames": True,
+        "fps": 2,
+        "max_frames": 768,
+        "min_frames": 4,
+        "size": {"longest_edge": 25165824, "shortest_edge": 4096},
+        "video_processor_type": "Qwen3VLVideoProcessor",
+    }
+    return {"preprocessor_config.json": image, "video_preprocessor_config.json": video}
+
+
 def _write_json(path: Path, value: object) -> None:
     # As transformers writes config.json and the shard index.
     path.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n")
+
+
+def _add_processor_configs(path: Path) -> None:
+    """A cached release written before the processor configs were part of the layout gains them (the weights
+    and every other file are unchanged, so the builder version stays and other checkouts keep the cache)."""
+    for name, processor in processor_configs().items():
+        if not (path / name).is_file():
+            staging = path / f".{name}.{os.getpid()}"
+            _write_json(staging, processor)
+            os.replace(staging, path / name)
 
 
 def _release_version() -> str:
@@ -605,6 +655,7 @@ def tiny_release(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     name = f"release-tiny-v{_release_version()}"
     path = root / name
     if (path / "config.json").is_file():
+        _add_processor_configs(path)
         return path
     root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=root))

@@ -40,6 +40,9 @@ DEFAULT_REPO = "Cloudflare/clef-flash"
 RANDOM_PREFIX = "random:"
 
 
+PROCESSOR_CONFIG = "preprocessor_config.json"
+
+
 @dataclass
 class Checkpoint:
     """A model source, opened: configs, tokenizer and tensor sources, nothing loaded yet."""
@@ -55,6 +58,7 @@ class Checkpoint:
     stored_int8: bool = False  # the decoder projections are stored int8 (a bundle)
     manifest: dict | None = None  # a bundle's manifest
     decoder_files: str = "model*.safetensors"  # for error messages
+    processor_config: dict | None = None  # preprocessor_config.json (a release's image processor); None: text only
 
     @property
     def where(self) -> str:
@@ -69,6 +73,13 @@ class Checkpoint:
         from ..request.tokenizer import Tokenizer
 
         return Tokenizer.from_file(self.tokenizer_file)
+
+    @functools.cached_property
+    def image_processor(self):
+        """The release's image processor (request/images.py), or None when it has none (text only)."""
+        from ..request.images import ImageProcessorConfig
+
+        return None if self.processor_config is None else ImageProcessorConfig.from_dict(self.processor_config)
 
     @property
     def calibrated(self) -> bool:
@@ -110,6 +121,7 @@ def open_release(
         tokenizer_file=root / "tokenizer.json",
         tensors=files(release_files(root)),
         head_tensors=files([root / HEAD_WEIGHTS]),
+        processor_config=read_json(root / PROCESSOR_CONFIG) if (root / PROCESSOR_CONFIG).is_file() else None,
     )
 
 

@@ -39,7 +39,7 @@ from ..machine import peak_rss_mb
 from ..checkpoint import open_checkpoint
 from ..checkpoint.names import DECODER_PREFIX, EMBEDDING, LM_HEAD
 from ..checkpoint.quant import SCHEME
-from ..checkpoint.safetensors_io import sha256_of, staged_directory, write_json_durably
+from ..checkpoint.safetensors_io import sha256_of, write_json_durably
 from ..checkpoint.sources import config_fingerprint
 from ..errors import BundleError, ClefError
 from ..model.config import TextConfig

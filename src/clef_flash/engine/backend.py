@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from ..plan import Plan
-    from ..request.records import EncodedRecord
+    from ..request.records import EncodedRecord, RecordMedia
     from ..state_cache import CachedState
 
 
@@ -56,7 +56,9 @@ class Backend(Protocol):
         self, records: Sequence[EncodedRecord], entries: Sequence[CachedState | None], timings: Timings
     ) -> list[list[QuestionResult]]: ...
 
-    def run_states(self, rows: Sequence[Sequence[int]], timings: Timings) -> list[CachedState]: ...
+    def run_states(
+        self, rows: Sequence[Sequence[int]], timings: Timings, media: Sequence[RecordMedia | None] | None = None
+    ) -> list[CachedState]: ...
 
     def state_nbytes(self, tokens: int) -> int: ...
 

@@ -76,7 +76,8 @@ class Engine:
         timings = timings if timings is not None else Timings()
         results: list[list[QuestionResult] | None] = [None] * len(records)
         cache = self.state_cache
-        keys = [cache.key(record.input_ids[: state_end(record)]) for record in records]
+        # A record with images keys on their bytes too: same-size images have the same pad tokens.
+        keys = [cache.key(record.input_ids[: state_end(record)], media=record.media and record.media.digest) for record in records]
         shared = Counter(keys)
         reuse = self.backend.state_reuse_unsupported is None
         keyed = [
@@ -134,7 +135,10 @@ class Engine:
         rows = [records[key].input_ids[: state_end(records[key])] for key in keys]
         kept: dict[str, CachedState] = {}
         for group in self.pack(list(range(len(keys))), [len(row) for row in rows]):
-            for index, entry in zip(group, self.backend.run_states([rows[index] for index in group], timings)):
+            media = [records[keys[index]].media for index in group]
+            with_media = {"media": media} if any(item is not None for item in media) else {}
+            ran = self.backend.run_states([rows[index] for index in group], timings, **with_media)
+            for index, entry in zip(group, ran):
                 kept[keys[index]] = entry
                 self.state_cache.put(keys[index], entry)
         return kept

@@ -14,7 +14,7 @@ from ..checkpoint import coreml_layout as layout
 from ..coreml.host import CoreMLHost, Runner
 from ..checkpoint.coreml_layout import RUNNERS
 from ..coreml.runners import make_runner
-from ..errors import ClefError
+from ..errors import ClefError, images_unsupported
 from ..plan import coreml_plan
 from ..request.records import EncodedRecord
 from ..state_cache import CachedState
@@ -34,7 +34,10 @@ class CoreMLBackend:
         self.plan = coreml_plan(self.runner_name)
 
     def check(self, record: EncodedRecord) -> None:
-        """Refuses a record longer than the largest bucket, or with more questions or options than the head holds."""
+        """Refuses a record longer than the largest bucket, or with more questions or options than the head holds,
+        or with images (the Core ML export is text only: not done)."""
+        if record.media is not None:
+            raise images_unsupported("the Core ML export answers text only; images need the torch backend (a release)")
         self.host.check(record)
 
     def describe(self) -> dict[str, Any]:
@@ -43,7 +46,7 @@ class CoreMLBackend:
     def state_nbytes(self, tokens: int) -> int:
         return 0
 
-    def run_states(self, rows: Sequence[Sequence[int]], timings: Timings) -> list[CachedState]:
+    def run_states(self, rows: Sequence[Sequence[int]], timings: Timings, media=None) -> list[CachedState]:
         raise ClefError(f"Core ML: {self.state_reuse_unsupported}")
 
     def forward(

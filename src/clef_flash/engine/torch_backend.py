@@ -13,16 +13,18 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..checkpoint import Checkpoint, ModelParts, build_model
-from ..errors import ClefError
+from ..errors import ClefError, images_unsupported
 from ..model.head_batch import build_head_batch, softmax_per_question, split_logits
 from ..model.joint_head import FeatureBuilder
 from ..model.qwen3_5 import DecoderState
 from ..plan import Plan
-from ..prefill import DEFAULT_SEGMENT_TOKENS, run_segments
-from ..request.records import EncodedRecord
+from ..model.vision import rope_positions
+from ..prefill import DEFAULT_SEGMENT_TOKENS, RowMedia, run_segments
+from ..request.records import EncodedRecord, RecordMedia
 from ..state_cache import CachedState
 from .backend import HeadClock, QuestionResult, Timings
 
@@ -50,7 +52,10 @@ class TorchBackend:
         self._empty_state: DecoderState | None = None
 
     def check(self, record: EncodedRecord) -> None:
-        """Any record within the token limit runs here (the limit is checked when it is encoded)."""
+        """Any record within the token limit runs here (the limit is checked when it is encoded); one with
+        images needs the source's vision tower."""
+        if record.media is not None and self.parts.vision is None:
+            raise images_unsupported("this model source has no vision tower (model.visual.*): it answers text only")
 
     def describe(self) -> dict[str, Any]:
         return {"segment_tokens": self.segment_tokens}
@@ -58,8 +63,11 @@ class TorchBackend:
     def state_nbytes(self, tokens: int) -> int:
         return self.parts.decoder.state_nbytes(tokens) + tokens * self.parts.head.config.width * 4
 
-    def run_states(self, rows: Sequence[Sequence[int]], timings: Timings) -> list[CachedState]:
-        """Run each row (a prefix + state) and keep its decoder state and the head's memory rows."""
+    def run_states(
+        self, rows: Sequence[Sequence[int]], timings: Timings, media: Sequence[RecordMedia | None] | None = None
+    ) -> list[CachedState]:
+        """Run each row (a prefix + state, with its record's images) and keep its decoder state and the head's
+        memory rows."""
         memory: list[list[torch.Tensor]] = [[] for _ in rows]
         clock = HeadClock(timings)
 
@@ -78,6 +86,7 @@ class TorchBackend:
             device=self.device,
             on_segment=keep_memory,
             keep_states=True,
+            media=None if media is None else self._media(rows, media, [False] * len(rows)),
         )
         kept = [CachedState(state, torch.cat(pieces), len(row)) for state, pieces, row in zip(states, memory, rows)]
         self._sync()
@@ -113,6 +122,7 @@ class TorchBackend:
             device=self.device,
             on_segment=read,
             state=state,
+            media=self._media([record.input_ids for record in records], [record.media for record in records], [entry is not None for entry in entries]),
         )
         self._sync()
         clock.close(time.perf_counter() - start)
@@ -129,6 +139,34 @@ class TorchBackend:
             ]
             for record, record_logits, record_probabilities in zip(records, per_record_logits, per_record_probabilities)
         ]
+
+    def _media(
+        self, rows: Sequence[Sequence[int]], media: Sequence[RecordMedia | None], continuing: Sequence[bool]
+    ) -> list[RowMedia | None] | None:
+        """Per row: its 3-D positions (over the whole record) and, for a row run from its start, its image
+        features. The vision tower runs once over every image of those rows (attention stays within each
+        image); a row continuing a kept state has its images behind it (they precede the state)."""
+        if all(item is None for item in media):
+            return None
+        fresh = [item for item, going_on in zip(media, continuing) if item is not None and not going_on]
+        per_record = iter(())
+        if fresh:
+            pixels = torch.from_numpy(np.concatenate([item.pixel_values for item in fresh]))
+            grids = [grid for item in fresh for grid in item.grids]
+            features = self.parts.vision(pixels.to(self.device), grids).to(self.parts.decoder.dtype)  # [pads, D]
+            per_record = iter(features.split([item.tokens for item in fresh]))
+        out: list[RowMedia | None] = []
+        for ids, item, going_on in zip(rows, media, continuing):
+            if item is None:
+                out.append(None)
+                continue
+            positions = rope_positions(ids, item.grids, {item.pad_id}, item.merge)
+            if going_on:
+                out.append(RowMedia(torch.empty(0), torch.empty(0, dtype=torch.long), positions))
+            else:
+                pads = (torch.tensor(ids) == item.pad_id).nonzero().flatten()
+                out.append(RowMedia(next(per_record), pads, positions))
+        return out
 
     def _empty(self) -> DecoderState:
         if self._empty_state is None:

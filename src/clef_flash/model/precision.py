@@ -130,6 +130,11 @@ class Precision:
     def lm_head_dtype(stored: torch.dtype) -> torch.dtype:
         return stored  # the head gathers the option tokens' rows and casts them itself
 
+    def vision_dtype(self, stored: torch.dtype) -> torch.dtype:
+        """The vision tower (`model.visual.*`): the float precision's dtype; under int8 it stays as released
+        (not quantized, not measured safe to)."""
+        return stored if self.quantized else self.compute_dtype
+
     def on(self, device: torch.device) -> Precision:
         """The same precision for a device: int8 computes in fp32 on CPU and in bf16 on CUDA."""
         if not self.quantized:

@@ -23,6 +23,7 @@ taken at its own end, and attention reads each row's own past keys.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -217,6 +218,28 @@ def rotary_cos_sin(
     starts = torch.tensor(start, device=device)  # [] or [B]
     positions = (starts[..., None] + torch.arange(length, device=device)).to(work)  # [L] or [B, L]
     angles = positions[..., None] * inv_freq  # [(B,) L, rd/2]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def mrope_cos_sin(
+    config: TextConfig, positions: torch.Tensor, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [B, L, rotary_dim/2] for 3-D M-RoPE positions [3, B, L] (temporal, height, width): frequency j
+    turns with the position of one axis, as HF's recomposition: interleaved (j % 3 = 1 height, 2 width, within
+    3 x mrope_section[axis]; else temporal) or in sections. Text positions (all axes equal) give rotary_cos_sin's."""
+    work = compute_dtype(dtype)
+    rd = config.rotary_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, rd, 2, dtype=work, device=device) / rd))
+    axis = torch.zeros(rd // 2, dtype=torch.long)
+    if config.mrope_interleaved:
+        for dim in (1, 2):
+            axis[dim : 3 * config.mrope_section[dim] : 3] = dim
+    else:
+        bounds = [0, *itertools.accumulate(config.mrope_section)]
+        for dim in (1, 2):
+            axis[bounds[dim] : bounds[dim + 1]] = dim
+    chosen = positions.to(device)[axis.to(device)]  # [rd/2, B, L]: each frequency's axis
+    angles = chosen.permute(1, 2, 0).to(work) * inv_freq  # [B, L, rd/2]
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
@@ -480,12 +503,16 @@ class Qwen35Decoder(nn.Module):
         state: DecoderState | None = None,
         return_state: bool = False,
         reserve: int = 0,
+        embeds: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, DecoderState]:
         """input_ids [B, L] long, right-padded; lengths [B]: the real tokens of each row (None: all L).
         `reserve`: the tokens the longest row will reach over the coming segments (room for its K/V).
 
         Returns last_hidden_state [B, L, D] in the model dtype, or (it, DecoderState) with return_state.
-        Positions continue from `state.lengths` when a state is given. Without a state, and when no state is
+        Positions continue from `state.lengths` when a state is given, unless `positions` [3, B, L] (M-RoPE,
+        records with images) gives them; `embeds` [B, L, D] replaces the token embeddings (image features
+        scattered into the pad positions). Without a state, and when no state is
         returned, `lengths` changes nothing: causality already keeps padding away from real positions.
         """
         B, L = input_ids.shape
@@ -493,9 +520,12 @@ class Qwen35Decoder(nn.Module):
         rows = Rows(past=(0,) * B if state is None else tuple(state.lengths), new=new, width=L, reserve=reserve)
         if state is not None and len(state.lengths) != B:
             raise ValueError(f"a state of {len(state.lengths)} rows continued by {B} rows")
-        x = self.embed_tokens(input_ids).to(self.dtype)  # [B, L, D]
-        start = rows.past[0] if rows.same_past else rows.past
-        cos, sin = rotary_cos_sin(self.config, start, L, x.dtype, x.device)
+        x = self.embed_tokens(input_ids).to(self.dtype) if embeds is None else embeds  # [B, L, D]
+        if positions is None:
+            start = rows.past[0] if rows.same_past else rows.past
+            cos, sin = rotary_cos_sin(self.config, start, L, x.dtype, x.device)
+        else:
+            cos, sin = mrope_cos_sin(self.config, positions, x.dtype, x.device)
         layer_states = [None] * len(self.layers) if state is None else state.layers
         new_states = []
         for layer, layer_state in zip(self.layers, layer_states):

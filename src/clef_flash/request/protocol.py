@@ -11,9 +11,11 @@ Choices where the public sources disagree (`/work/shared/systemone.md` §7), and
 - **Top-level unknown fields are ignored.** `typesafe-sdk` (0.7.5) merges any `extra_body` into
   the body's top level, and gateways add or strip fields (ngrok); the fields we know are enough.
   The SDK always sends `model` (default `"jev-latest"`), so any model name is accepted and echoed.
-- **Media fields are refused, not ignored.** `images`, `videos` and the SDK's image `assets` give an
-  `images_unsupported` / `videos_unsupported` error when present and non-empty: answering as if
-  the picture were not there would be silently wrong. Absent, `null`, `[]` or `{}` are fine.
+- **Images as the hosted API takes them** (request/images.py): up to 4 data URIs, 4 MiB each, 8 MiB
+  together, 16 MP each; remote URLs are refused. Every refusal names the image's index
+  (`["body", "images", i]`) and what is wrong. `videos` and the SDK's image `assets` are refused
+  (`videos_unsupported` / `images_unsupported`) when present and non-empty: answering as if they were
+  not there would be silently wrong. Absent, `null`, `[]` or `{}` are fine.
 - **`state` is required and may be any JSON value except `null`** (string, object, array, number,
   boolean; non-strings are rendered as compact JSON). The TypeSafe OpenAPI schema the SDK is
   generated from allows no `null` and the SDK refuses `None` itself: a null state is a caller bug
@@ -63,6 +65,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from ..errors import RequestInvalid
+from .images import MAX_IMAGE_BYTES, MAX_IMAGES, MAX_TOTAL_IMAGE_BYTES, ImageProblem, RequestImage, decode_image
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
@@ -228,17 +231,35 @@ Description = Annotated[
 Level = Annotated[Any, _content_validator("a score level", nullable=False), WithJsonSchema(_CONTENT_SCHEMA)]
 
 
+def _image_item(value: Any) -> RequestImage:
+    try:
+        return decode_image(value)
+    except ImageProblem as problem:
+        raise PydanticCustomError(problem.kind, str(problem)) from None
+
+
+def _images_total(value: Any) -> Any:
+    if not value:
+        return None
+    total = sum(image.nbytes for image in value)
+    if total > MAX_TOTAL_IMAGE_BYTES:
+        raise PydanticCustomError(
+            "images_too_large", f"images may have at most {MAX_TOTAL_IMAGE_BYTES} bytes (8 MiB) together; got {total}"
+        )
+    return tuple(value)
+
+
 def _media_validator(field: str, error_type: str, noun: str) -> Any:
     """A media field that must be absent or empty: silently ignoring media would answer wrongly."""
 
     def validate(value: Any) -> None:
         if value is None or (isinstance(value, (list, dict)) and not value):
             return None
-        raise PydanticCustomError(error_type, f"{noun} are not supported by this text-only runtime")
+        raise PydanticCustomError(error_type, f"{noun} are not supported by this runtime (images are: send them in 'images')")
 
     schema = {
         "anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}, {"type": "object", "maxProperties": 0}],
-        "description": f"Not supported by this text-only runtime: leave out, null or empty ({field}).",
+        "description": f"Not supported by this runtime: leave out, null or empty ({field}).",
     }
     return Annotated[Any, PlainValidator(validate), WithJsonSchema(schema)]
 
@@ -279,9 +300,15 @@ def _counted(
     Messages read "{what}; got array" and "{needs} 2 to 255 {unit}; got 1".
     """
     is_object = get_origin(container) is dict
+    bounds = {"minProperties": low, "maxProperties": high} if is_object else {"minItems": low, "maxItems": high}
+    validate = _count_check(is_object, what, needs, unit, low, high, too_many=too_many)
+    return Annotated[container, BeforeValidator(validate), Field(json_schema_extra=bounds)]
+
+
+def _count_check(is_object: bool, what: str, needs: str, unit: str, low: int, high: int, *, too_many: str = "too_long"):
+    """The check `_counted` runs: the JSON type (object or array), then the size."""
     kinds: tuple[type, ...] = (Mapping,) if is_object else (list, tuple)
     wrong_type = "dict_type" if is_object else "list_type"
-    bounds = {"minProperties": low, "maxProperties": high} if is_object else {"minItems": low, "maxItems": high}
 
     def validate(value: Any) -> Any:
         if not isinstance(value, kinds):
@@ -295,7 +322,7 @@ def _counted(
             )
         return value
 
-    return Annotated[container, BeforeValidator(validate), Field(json_schema_extra=bounds)]
+    return validate
 
 
 QuestionId = Annotated[
@@ -304,6 +331,35 @@ QuestionId = Annotated[
     WithJsonSchema({"type": "string", "minLength": MIN_ID_LENGTH, "maxLength": MAX_ID_LENGTH}),
 ]
 OptionLabel = Annotated[str, AfterValidator(_check_label), WithJsonSchema({"type": "string", "minLength": MIN_LABEL_LENGTH})]
+
+
+IMAGE_DATA_URI_PATTERN = r"^data:image/(png|jpeg|webp);base64,[A-Za-z0-9+/]*={0,2}$"
+_IMAGES_SCHEMA = {
+    "anyOf": [
+        {"type": "null"},
+        {
+            "type": "array",
+            "maxItems": MAX_IMAGES,
+            "items": {
+                "type": "string",
+                "pattern": IMAGE_DATA_URI_PATTERN,
+                "maxLength": 4 * -(-MAX_IMAGE_BYTES // 3) + len("data:image/jpeg;base64,"),
+                "description": "data:image/png|jpeg|webp;base64,... (4 MiB, 16 MP at most)",
+            },
+        },
+    ],
+    "description": "Up to 4 images as data URIs (8 MiB together); remote URLs are refused. Each must decode to "
+    "an image of its type (a rule JSON Schema cannot state: 422 image_undecodable otherwise).",
+}
+_images_count = _count_check(
+    False, "'images' must be an array of data URIs", "a request takes", "images", 0, MAX_IMAGES, too_many="too_many_images"
+)
+Images = Annotated[
+    list[Annotated[Any, PlainValidator(_image_item)]],
+    BeforeValidator(lambda value: [] if value is None else _images_count(value)),
+    AfterValidator(_images_total),
+    WithJsonSchema(_IMAGES_SCHEMA),
+]
 
 
 # --------------------------------------------------------------------------------------------
@@ -395,7 +451,7 @@ class SystemOneRequest(BaseModel):
         MAX_QUESTIONS,
         too_many="too_many_questions",  # its own type: clients split into requests of 64
     ) = Field(description="Questions keyed by caller-chosen ids; answers come back in this order.")
-    images: _media_validator("images", "images_unsupported", "images") = None
+    images: Images = None
     videos: _media_validator("videos", "videos_unsupported", "videos") = None
     assets: _media_validator("assets", "images_unsupported", "image assets") = None
 
@@ -419,7 +475,10 @@ class SystemOneRequest(BaseModel):
                 "instructions": question.instructions,
                 "criteria": criteria,
             }
-        return {"state": self.state, "questions": questions}
+        record: dict[str, Any] = {"state": self.state, "questions": questions}
+        if self.images:
+            record["images"] = self.images
+        return record
 
 
 def served_request(names: Sequence[str]) -> type[SystemOneRequest]:
@@ -652,6 +711,10 @@ def _translate(error: Mapping[str, Any]) -> dict[str, Any]:
         elif raw_loc[-1:] == ("[key]",):
             message = f"ids and labels must be strings; got {_kind(value)}"
 
+    if loc[:1] == ["images"] and not isinstance(value, (list, type(None))):
+        value = _short(value) if isinstance(value, str) else f"<{type(value).__name__}>"  # never echo the image
+    elif loc == ["images"] and isinstance(value, (list, tuple)):
+        value = f"<{len(value)} images>"
     safe_loc = [_short(part, limit=10**6) if isinstance(part, str) else part for part in loc]
     item: dict[str, Any] = {"type": error_type, "loc": ["body", *safe_loc], "msg": message, "input": _jsonable(value)}
     if ctx:

@@ -8,12 +8,16 @@ the two equal on the named edge cases and on generated requests.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Mapping
 
-from ..errors import RecordTooLong, RequestInvalid
+import numpy as np
+
+from ..errors import RecordTooLong, RequestInvalid, images_unsupported
+from .images import ImageProblem, ImageProcessorConfig, preprocess_image
 from .protocol import QUESTION_TYPES
 from .tokenizer import Tokenizer
 
@@ -26,6 +30,8 @@ SCHEMA_HEADER = "\n\nSCHEMA FIELDS:\n"
 OPTIONS_HEADER = "\nALLOWED OPTIONS:\n"
 OPTION_END = "\n"
 FIELD_END = "END FIELD\n"
+IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"  # one per image, pads expanded; then MEDIA_END
+MEDIA_END = "\n"
 SUFFIX = "\n<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nJOINT SCHEMA DECISIONS:"
 
 NOUL_DEFAULTS = {
@@ -89,6 +95,22 @@ class EncodedQuestion:
     option_ids: tuple[str, ...]  # in the model's order (choice: sorted keys)
 
 
+@dataclass(frozen=True, eq=False)
+class RecordMedia:
+    """A record's images, preprocessed: what the vision tower reads. Their pad tokens are in `input_ids`
+    (after the prefix, before the state, as the reference puts them), one per merged patch."""
+
+    pixel_values: np.ndarray  # [patches, C * temporal_patch * patch²] float32, images in order
+    grids: tuple[tuple[int, int, int], ...]  # (t, h, w) in patches, per image
+    pad_id: int  # the image pad token
+    merge: int  # spatial merge size
+    digest: str  # sha256 over the images' digests: what the state cache would key on
+
+    @property
+    def tokens(self) -> int:
+        return sum(t * h * w for t, h, w in self.grids) // self.merge**2
+
+
 @dataclass(frozen=True)
 class EncodedRecord:
     input_ids: tuple[int, ...]
@@ -98,6 +120,7 @@ class EncodedRecord:
     schema_tokens: int
     suffix_tokens: int
     state_tokens_dropped: int = 0  # > 0 only with truncate_state=True
+    media: RecordMedia | None = None  # images (their tokens are part of prefix_tokens)
 
     @property
     def token_count(self) -> int:
@@ -110,7 +133,7 @@ class EncodedRecord:
 
 @lru_cache(maxsize=8)
 def _fixed_pieces(tokenizer: Tokenizer) -> dict[str, tuple[int, ...]]:
-    pieces = [PREFIX, SCHEMA_HEADER, OPTIONS_HEADER, OPTION_END, FIELD_END, SUFFIX]
+    pieces = [PREFIX, SCHEMA_HEADER, OPTIONS_HEADER, OPTION_END, FIELD_END, SUFFIX, IMAGE_PLACEHOLDER, MEDIA_END]
     return {text: tuple(ids) for text, ids in zip(pieces, tokenizer.encode_batch(pieces))}
 
 
@@ -135,8 +158,12 @@ def encode_record(
     *,
     max_length: int = DEFAULT_MAX_LENGTH,
     truncate_state: bool = False,
+    image_processor: ImageProcessorConfig | None = None,
 ) -> EncodedRecord:
     """Render and tokenize one record (a validated request, or a plain dict in its shape).
+
+    A record with `images` (decoded `RequestImage`s) needs the release's `image_processor`: each image
+    becomes <|vision_start|>, one <|image_pad|> per merged patch, <|vision_end|>; then "\n", before the state.
 
     Over `max_length` tokens the record is refused with `RecordTooLong` (token count, fixed part,
     limit), unless `truncate_state=True`, which cuts the state's tail exactly as the reference does.
@@ -178,6 +205,9 @@ def encode_record(
         spans.append((question_id, QUESTION_TYPES[question["type"]], question_span, option_spans, option_ids))
 
     prefix_ids, suffix_ids = fixed[PREFIX], fixed[SUFFIX]
+    media = _media(record.get("images"), image_processor, fixed) if record.get("images") else None
+    if media is not None:
+        prefix_ids = prefix_ids + media_ids(media, fixed)
     fixed_tokens = len(prefix_ids) + len(schema_ids) + len(suffix_ids)
     token_count = fixed_tokens + len(state_ids)
     dropped = 0
@@ -208,14 +238,29 @@ def encode_record(
         schema_tokens=len(schema_ids),
         suffix_tokens=len(suffix_ids),
         state_tokens_dropped=dropped,
+        media=media,
     )
 
 
 def marked_text(tokenizer: Tokenizer, record: EncodedRecord) -> str:
-    """The rendered record with every question span marked `⟦Q id:...⟧` and option span `⟦O id:...⟧`
-    (what `clef-flash render` shows)."""
+    """The rendered record with every question span marked `⟦Q id:...⟧`, option span `⟦O id:...⟧` and each
+    image's pads as one mark `⟦IMAGE i: t x h x w = n tokens⟧` (what `clef-flash render` shows)."""
     ids = record.input_ids
     marks: dict[int, list[str]] = {}
+    skipped: set[int] = set()
+    if record.media is not None:
+        pads = [position for position, token in enumerate(ids) if token == record.media.pad_id]
+        runs = [[pads[0]]] if pads else []
+        for position in pads[1:]:
+            if position == runs[-1][-1] + 1:
+                runs[-1].append(position)
+            else:
+                runs.append([position])
+        merge = record.media.merge
+        for number, (run, (t, h, w)) in enumerate(zip(runs, record.media.grids), start=1):
+            marks.setdefault(run[0], []).append(f"⟦IMAGE {number}: {t}x{h // merge}x{w // merge} = {len(run)} tokens⟧")
+            marks.setdefault(run[-1] + 1, [])
+        skipped = set(pads)
     for question in record.questions:
         start, end = question.question_span
         marks.setdefault(start, []).append(f"⟦Q {question.question_id}:")
@@ -225,8 +270,33 @@ def marked_text(tokenizer: Tokenizer, record: EncodedRecord) -> str:
             marks.setdefault(end, []).insert(0, "⟧")
     pieces, cursor = [], 0
     for position in sorted(marks):
-        pieces.append(tokenizer.decode(ids[cursor:position]))
+        pieces.append(tokenizer.decode([token for at, token in enumerate(ids[cursor:position], cursor) if at not in skipped]))
         pieces.append("".join(marks[position]))
         cursor = position
     pieces.append(tokenizer.decode(ids[cursor:]))
     return "".join(pieces)
+
+
+def _media(images: Any, config: ImageProcessorConfig | None, fixed: Mapping[str, tuple[int, ...]]) -> RecordMedia:
+    if config is None:
+        raise images_unsupported("this model source has no image processor (preprocessor_config.json): it answers text only")
+    pixels, grids = [], []
+    for index, image in enumerate(images):
+        try:
+            image_pixels, grid = preprocess_image(image.image, config)
+        except ImageProblem as problem:
+            raise RequestInvalid([{"type": problem.kind, "loc": ["body", "images", index], "msg": str(problem)}]) from None
+        pixels.append(image_pixels)
+        grids.append(grid)
+    digest = hashlib.sha256("".join(image.digest for image in images).encode()).hexdigest()
+    pad_id = fixed[IMAGE_PLACEHOLDER][1]
+    return RecordMedia(np.concatenate(pixels), tuple(grids), pad_id, config.merge_size, digest)
+
+
+def media_ids(media: RecordMedia, fixed: Mapping[str, tuple[int, ...]]) -> tuple[int, ...]:
+    """The tokens of a record's images: per image start, pads (one per merged patch), end; then "\n"."""
+    start, pad, end = fixed[IMAGE_PLACEHOLDER]
+    ids: list[int] = []
+    for t, h, w in media.grids:
+        ids += [start, *[pad] * (t * h * w // media.merge**2), end]
+    return (*ids, *fixed[MEDIA_END])

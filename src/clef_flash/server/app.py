@@ -52,7 +52,7 @@ from ..request.protocol import decode_body, parse_request, parse_request_json, s
 from ..sets import SetStore
 from . import schemas
 from .batcher import Batcher, Job, QueueFull, WorkerUnavailable
-from .body import ApiError, ClientGone, ParseBudget, check_content_type, read_body
+from .body import ApiError, ClientGone, ParseBudget, body_too_large, check_content_type, read_body
 from .metrics import ServerMetrics
 
 if TYPE_CHECKING:
@@ -64,6 +64,8 @@ MODEL_ALIASES = ("clef-flash", "@cf/cloudflare/clef-flash", "clef")
 """Names a request's `model` may give for the served model (besides none at all)."""
 WORKERS_AI_MODEL = "@cf/cloudflare/clef-flash"
 DEFAULT_MAX_BODY_BYTES = 1 << 20
+# A body with images may be larger: the hosted 8 MiB of images as base64 (4/3) plus a text body.
+DEFAULT_MAX_IMAGE_BODY_BYTES = 12 << 20
 REQUEST_ID_HEADERS = ("x-request-id", "x-typesafe-request-id")  # ours; the one typesafe-sdk reads
 WARM_UP_REQUEST = {
     "state": "warm-up",
@@ -75,6 +77,7 @@ WARM_UP_REQUEST = {
 class ServerSettings:
     api_key: str | None = None  # when set, a matching `Authorization: Bearer` is required
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # on the wire and after decompression
+    max_image_body_bytes: int = DEFAULT_MAX_IMAGE_BODY_BYTES  # the same, for a body whose request has images
     batch_tokens: int | None = None  # padded tokens per batch; None: the model's batch_tokens
     batch_wait_ms: float = 5.0  # how long the oldest queued record waits for company
     max_batch: int = 64  # records per batch
@@ -82,7 +85,7 @@ class ServerSettings:
     retry_after_s: int = 1
     warm_up: bool = True
     # Bodies being read, decompressed, parsed and tokenized at once (429 beyond): what bounds memory.
-    max_parsing_bytes: int = 8 * DEFAULT_MAX_BODY_BYTES  # at least twice max_body_bytes (raw + decompressed)
+    max_parsing_bytes: int = 2 * DEFAULT_MAX_IMAGE_BODY_BYTES  # at least twice the body limits (raw + decompressed)
     max_parsing: int = 32  # requests
     request_timeout_s: float = 300.0  # the longest a request waits for the model (then 503)
     # Deadlines of the uvicorn transport (transport.py; not enforced under other ASGI servers):
@@ -93,10 +96,12 @@ class ServerSettings:
     sets_dir: str | None = None  # where POST /v1/sets/{name} finds the saved sets; None: sets.default_sets_dir()
 
     def __post_init__(self) -> None:
-        if self.max_parsing_bytes < 2 * self.max_body_bytes:
+        if self.max_image_body_bytes < self.max_body_bytes:
+            raise ValueError(f"max_image_body_bytes ({self.max_image_body_bytes}) must be at least max_body_bytes ({self.max_body_bytes})")
+        if self.max_parsing_bytes < 2 * self.max_image_body_bytes:
             raise ValueError(
-                f"max_parsing_bytes ({self.max_parsing_bytes}) must be at least twice max_body_bytes "
-                f"({self.max_body_bytes}): a compressed body is held with its decompressed copy"
+                f"max_parsing_bytes ({self.max_parsing_bytes}) must be at least twice max_image_body_bytes "
+                f"({self.max_image_body_bytes}): a compressed body is held with its decompressed copy"
             )
         if min(self.request_timeout_s, self.header_timeout_s, self.body_timeout_s, self.shutdown_timeout_s) <= 0:
             raise ValueError("the timeouts must be positive")
@@ -398,8 +403,11 @@ class SystemOneServer:
             raise ApiError(401, API_KEY_REQUIRED, cf_code=10000, headers={"WWW-Authenticate": "Bearer"})
 
     def prepare(self, raw: bytes) -> Prepared:
-        """Parse, check the model name and encode; raises RequestInvalid (422)."""
+        """Parse, check the model name and encode; raises RequestInvalid (422). Only a request with images may
+        pass the text body limit (up to max_image_body_bytes): 413 otherwise."""
         parsed = parse_request_json(raw, self.request_type)  # `model`: one of the served names
+        if len(raw) > self.settings.max_body_bytes and not parsed.images:
+            raise body_too_large(self.settings.max_body_bytes, f"{len(raw)} bytes without images are")
         return self.model.prepare(parsed)  # RecordTooLong: token count and limit, before inference
 
     def prepare_set(self, name: str, raw: bytes) -> Prepared:
@@ -408,6 +416,8 @@ class SystemOneServer:
             question_set = self.sets.get(name)
         except QuestionSetError as error:
             raise ApiError(404, str(error), cf_code=7000) from None
+        if len(raw) > self.settings.max_body_bytes:  # a set's body is a state: the text limit
+            raise body_too_large(self.settings.max_body_bytes, f"{len(raw)} bytes are")
         return self.model.prepare(parse_request(question_set.request_from_body(decode_body(raw)), self.request_type))
 
     async def wait_for(self, job: Job, request: Request) -> list[Any]:
@@ -434,7 +444,7 @@ class SystemOneServer:
             raise _unavailable("the server is shutting down", retry_after)
         check_content_type(request.headers.get("content-type"))
         with self.parse_budget.reserve() as reservation:  # 429 past the bytes or requests being parsed
-            raw = await read_body(request, self.settings.max_body_bytes, reservation)
+            raw = await read_body(request, self.settings.max_image_body_bytes, reservation)
             prepared = await run_in_threadpool(prepare, raw)  # tokenizing a 1 MiB state takes a while
             del raw
         try:

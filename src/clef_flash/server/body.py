@@ -123,7 +123,7 @@ def _zstd() -> tuple[Callable[[], _Decompressor], type[Exception]] | None:
     return ZstdDecompressor, ZstdError
 
 
-def _too_large(limit: int, what: str) -> ApiError:
+def body_too_large(limit: int, what: str) -> ApiError:
     return ApiError(413, f"the request body is too large: {what} over the limit of {limit} bytes", cf_code=5021)
 
 
@@ -135,7 +135,7 @@ def _decompress(data: bytes, new: Callable[[], _Decompressor], error: type[Excep
             decompressor = new()
             out += decompressor.decompress(data, limit + 1 - len(out))
             if len(out) > limit:
-                raise _too_large(limit, f"{name}-decompressed to")
+                raise body_too_large(limit, f"{name}-decompressed to")
             if not decompressor.eof:
                 raise ApiError(400, f"the {name} body is truncated", cf_code=6003)
             data = decompressor.unused_data
@@ -171,13 +171,13 @@ async def read_body(request: Request, limit: int, reservation: Reservation) -> b
         if not length.strip().isdigit():
             raise ApiError(400, f"bad Content-Length header {length[:40]!r}", cf_code=6003)
         if int(length) > limit:
-            raise _too_large(limit, f"Content-Length {int(length)} is")
+            raise body_too_large(limit, f"Content-Length {int(length)} is")
     chunks, size = [], 0
     try:
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
-                raise _too_large(limit, "more than")
+                raise body_too_large(limit, "more than")
             reservation.take(len(chunk))
             chunks.append(chunk)
     except ClientDisconnect:

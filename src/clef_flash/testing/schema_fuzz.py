@@ -11,6 +11,7 @@ JSON report.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -52,7 +53,8 @@ def run_schemathesis(base_url: str, *, max_examples: int, seed: int, workdir: Pa
         "--no-color",
     ]  # fmt: skip
     start = time.perf_counter()
-    done = subprocess.run(command, cwd=workdir, capture_output=True, text=True, timeout=timeout)
+    environment = {**os.environ, "SCHEMATHESIS_HOOKS": "clef_flash.testing.schema_fuzz_hooks"}  # real images
+    done = subprocess.run(command, cwd=workdir, capture_output=True, text=True, timeout=timeout, env=environment)
     seconds = time.perf_counter() - start
     if not report.exists():
         raise RuntimeError(f"schemathesis wrote no report (exit {done.returncode}):\n{done.stdout}\n{done.stderr}")

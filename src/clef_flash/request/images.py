@@ -1,0 +1,217 @@
+"""Images in a request: decoding with the hosted limits, and the release's image processor (pure host code).
+
+Accepted forms: in a request body, data URIs `data:image/png|jpeg|webp;base64,...` (remote URLs are refused:
+the server fetches nothing on a caller's behalf); in Python also PIL images, bytes and `pathlib.Path`s (a
+plain string is never read as a path, so a body cannot name a file on the server). Limits as the hosted API:
+at most 4 images, 4 MiB each and 8 MiB together (decoded bytes), 16 megapixels each.
+
+Preprocessing is the release's `preprocessor_config.json` exactly as transformers' `Qwen2VLImageProcessorPil`
+(what `AutoProcessor` gives for a Qwen3.5 release without torchvision) computes it, with Pillow and numpy:
+RGB (alpha composited over white) -> `smart_resize` to multiples of patch x merge within [shortest_edge,
+longest_edge] pixels -> Pillow bicubic resize -> x/255 in float64, then float32 -> (x - mean) / std ->
+patches [N, C * temporal_patch * patch²] in merge-block order, the frame repeated over the temporal patch.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+MAX_IMAGES = 4
+MAX_IMAGE_BYTES = 4 * 1024 * 1024
+MAX_TOTAL_IMAGE_BYTES = 8 * 1024 * 1024
+MAX_IMAGE_PIXELS = 16 * 1024 * 1024
+FORMATS = {"png": "PNG", "jpeg": "JPEG", "jpg": "JPEG", "webp": "WEBP"}
+
+
+class ImageProblem(ValueError):
+    """What is wrong with one image: `kind` is the 422 item's type, the message says what to fix."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass(frozen=True, eq=False)
+class RequestImage:
+    """A decoded image: its pixels (an RGB-convertible PIL image) and a digest of what was sent."""
+
+    image: Any  # PIL.Image.Image, loaded
+    digest: str  # sha256 of the encoded bytes (or of mode, size and pixels for a PIL image)
+    nbytes: int  # encoded bytes (pixel bytes for a PIL image)
+
+
+def _pil():
+    try:
+        from PIL import Image
+    except ImportError as error:  # pragma: no cover - Pillow is a dependency
+        raise ImageProblem("image_unsupported", "images need Pillow: pip install 'clef-flash[vision]'") from error
+    return Image
+
+
+def decode_image(value: Any) -> RequestImage:
+    """One image in any accepted form -> a `RequestImage`, or `ImageProblem`."""
+    Image = _pil()
+    if isinstance(value, RequestImage):
+        return value
+    if isinstance(value, Image.Image):
+        _check_pixels(value.size)
+        pixels = value.tobytes()
+        digest = hashlib.sha256(f"{value.mode}:{value.size}:".encode() + pixels).hexdigest()
+        return RequestImage(value, digest, len(pixels))
+    if isinstance(value, str):
+        data = _data_uri(value)
+    elif isinstance(value, (bytes, bytearray, memoryview)):
+        data = bytes(value)
+    elif isinstance(value, Path):
+        try:
+            data = value.read_bytes()
+        except OSError as error:
+            raise ImageProblem("image_unreadable", f"cannot read {value}: {error.strerror or error}") from None
+    else:
+        raise ImageProblem(
+            "image_type", f"an image is a data URI string (in Python also a PIL image, bytes or a Path); got {type(value).__name__}"
+        )
+    if len(data) > MAX_IMAGE_BYTES:
+        raise ImageProblem("image_too_large", f"an image may have at most {MAX_IMAGE_BYTES} bytes (4 MiB); got {len(data)}")
+    try:
+        image = Image.open(io.BytesIO(data))
+    except Exception:
+        raise ImageProblem("image_undecodable", "the image could not be decoded as PNG, JPEG or WebP") from None
+    if image.format not in set(FORMATS.values()):
+        raise ImageProblem("image_format", f"images must be PNG, JPEG or WebP; got {image.format}")
+    _check_pixels(image.size)
+    try:
+        image.load()
+    except Exception:
+        raise ImageProblem("image_undecodable", f"the {image.format} image is truncated or corrupt") from None
+    return RequestImage(image, hashlib.sha256(data).hexdigest(), len(data))
+
+
+def _check_pixels(size: tuple[int, int]) -> None:
+    width, height = size
+    if width * height > MAX_IMAGE_PIXELS:
+        raise ImageProblem(
+            "image_too_many_pixels", f"an image may have at most {MAX_IMAGE_PIXELS} pixels (16 MP); got {width}x{height}"
+        )
+    if width < 1 or height < 1:
+        raise ImageProblem("image_undecodable", f"the image is empty ({width}x{height})")
+
+
+def _data_uri(text: str) -> bytes:
+    lowered = text[:16].lower()
+    if lowered.startswith(("http://", "https://", "ftp://", "file:")):
+        raise ImageProblem("image_url_refused", "remote image URLs are not fetched; send the image as a data URI (data:image/png;base64,...)")
+    if not lowered.startswith("data:"):
+        raise ImageProblem("image_type", "an image must be a data URI: data:image/png|jpeg|webp;base64,...")
+    header, comma, payload = text.partition(",")
+    media_type, _, encoding = header[5:].partition(";")
+    if not comma or encoding.lower() != "base64":
+        raise ImageProblem("image_type", "an image data URI must be base64: data:image/png;base64,...")
+    subtype = media_type.lower().removeprefix("image/")
+    if not media_type.lower().startswith("image/") or subtype not in FORMATS:
+        raise ImageProblem("image_format", f"images must be image/png, image/jpeg or image/webp; got {media_type or 'no type'}")
+    if len(payload) > 4 * math.ceil(MAX_IMAGE_BYTES / 3) + 4:
+        raise ImageProblem("image_too_large", f"an image may have at most {MAX_IMAGE_BYTES} bytes (4 MiB)")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise ImageProblem("image_base64", "the image data URI is not valid base64") from None
+
+
+# ------------------------------------------------------------------------------------------------
+# The release's image processor
+
+
+@dataclass(frozen=True)
+class ImageProcessorConfig:
+    """`preprocessor_config.json` (the keys the Qwen2-VL image processor reads)."""
+
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 1280
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    merge_size: int = 2
+    image_mean: tuple[float, ...] = (0.48145466, 0.4578275, 0.40821073)
+    image_std: tuple[float, ...] = (0.26862954, 0.26130258, 0.27577711)
+    rescale_factor: float = 1 / 255
+    resample: int = 3  # PIL bicubic
+
+    @classmethod
+    def from_dict(cls, config: Mapping[str, Any]) -> ImageProcessorConfig:
+        size = config.get("size") or {}
+        kwargs: dict[str, Any] = {}
+        for key, source in (("min_pixels", size.get("shortest_edge")), ("max_pixels", size.get("longest_edge"))):
+            value = config.get(key, source)
+            if value is not None:
+                kwargs[key] = int(value)
+        for key in ("patch_size", "temporal_patch_size", "merge_size", "resample"):
+            if config.get(key) is not None:
+                kwargs[key] = int(config[key])
+        for key in ("image_mean", "image_std"):
+            if config.get(key) is not None:
+                kwargs[key] = tuple(float(v) for v in config[key])
+        if config.get("rescale_factor") is not None:
+            kwargs["rescale_factor"] = float(config["rescale_factor"])
+        for flag in ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb"):
+            if config.get(flag) is False:
+                raise ValueError(f"preprocessor_config.json: {flag}=false is not supported")
+        return cls(**kwargs)
+
+    @property
+    def factor(self) -> int:
+        return self.patch_size * self.merge_size
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """Multiples of `factor` near (height, width), aspect kept, pixels within [min_pixels, max_pixels]."""
+    if max(height, width) / min(height, width) > 200:
+        raise ImageProblem("image_aspect", f"an image's aspect ratio must be under 200; got {width}x{height}")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def to_rgb(image: Any) -> Any:
+    """RGB as transformers converts: an image with alpha (or a transparency key) over white."""
+    Image = _pil()
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+def preprocess_image(image: Any, config: ImageProcessorConfig) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """One PIL image -> (pixel_values [h*w, C*T*p*p] float32, grid (1, h, w) in patches)."""
+    rgb = to_rgb(image)
+    width, height = rgb.size
+    resized_height, resized_width = smart_resize(height, width, config.factor, config.min_pixels, config.max_pixels)
+    resized = rgb.resize((resized_width, resized_height), resample=config.resample)
+    pixels = np.moveaxis(np.array(resized), -1, 0)  # [C, H, W] uint8
+    pixels = (pixels.astype(np.float64) * config.rescale_factor).astype(np.float32)
+    mean = np.array(config.image_mean, dtype=np.float32)
+    std = np.array(config.image_std, dtype=np.float32)
+    pixels = ((pixels.T - mean) / std).T
+    p, m, t = config.patch_size, config.merge_size, config.temporal_patch_size
+    channels = pixels.shape[0]
+    grid_h, grid_w = resized_height // p, resized_width // p
+    patches = pixels.reshape(channels, grid_h // m, m, p, grid_w // m, m, p)
+    patches = patches.transpose(1, 4, 2, 5, 0, 3, 6)  # [h/m, w/m, m, m, C, p, p]: merge-block order
+    patches = np.broadcast_to(patches[:, :, :, :, :, None], (*patches.shape[:5], t, p, p))  # the frame, t times
+    return np.ascontiguousarray(patches.reshape(grid_h * grid_w, channels * t * p * p)), (1, grid_h, grid_w)

@@ -1,0 +1,325 @@
+"""Images in the state (issue 26): parity with the reference on a random release with a vision tower, batch
+invariance, text-only records untouched by M-RoPE, and every refusal through the API and the server.
+
+The reference is Cloudflare's `joint_schema_model.py` (SPEC §8) on transformers' `Qwen3_5ForConditionalGeneration`,
+fp32, with the release's processor. `AutoProcessor.from_pretrained` cannot build it here: the release's video
+processor (`Qwen3VLVideoProcessor`) exists only for torchvision, which does not import beside this torch. So the
+oracle is the same `Qwen3VLProcessor` assembled from the release's own image processor (`AutoImageProcessor`:
+`Qwen2VLImageProcessorPil`, transformers' PIL/numpy path) and tokenizer, without a video processor.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import clef_flash
+from clef_flash.checkpoint.random_release import write_random_release
+from clef_flash.errors import RecordTooLong, RequestInvalid
+from clef_flash.model.qwen3_5 import mrope_cos_sin, rotary_cos_sin
+
+Image = pytest.importorskip("PIL.Image")
+
+# The test release keeps images small: at most 512x512 pixels after resizing (the real release: 16 MP), so
+# that the 640x480 image below is resized down, as a large photo is by the real one.
+MAX_PIXELS = 512 * 512
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory) -> Path:
+    out = write_random_release(tmp_path_factory.mktemp("vision") / "release", "tiny-vision", seed=3)
+    config = json.loads((out / "preprocessor_config.json").read_text())
+    config["size"]["longest_edge"] = MAX_PIXELS
+    (out / "preprocessor_config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.fixture(scope="module")
+def clef(release):
+    return clef_flash.load(str(release), precision="fp32")
+
+
+@pytest.fixture(scope="module")
+def reference(release):
+    from transformers import AutoImageProcessor, AutoTokenizer, Qwen3_5ForConditionalGeneration
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+
+    from clef_finetune._vendor import joint_schema_model as jsm
+    from safetensors.torch import load_file
+
+    class ImagesOnlyProcessor(Qwen3VLProcessor):
+        """The release's processor without its torchvision-only video processor."""
+
+        def check_argument_for_proper_class(self, argument_name, argument):
+            if argument_name == "video_processor" and argument is None:
+                return None
+            return super().check_argument_for_proper_class(argument_name, argument)
+
+    image_processor = AutoImageProcessor.from_pretrained(release)
+    assert type(image_processor).__name__ == "Qwen2VLImageProcessorPil"
+    processor = ImagesOnlyProcessor(
+        image_processor=image_processor, tokenizer=AutoTokenizer.from_pretrained(release), video_processor=None
+    )
+    backbone = Qwen3_5ForConditionalGeneration.from_pretrained(release, dtype=torch.float32)
+    head = jsm.JointSchemaHead(**json.loads((release / "joint_head_config.json").read_text()))
+    head.load_state_dict(load_file(release / "joint_head.safetensors"), strict=True)
+    return jsm, jsm.ClefModel(backbone, head.float()).eval(), processor
+
+
+def picture(width: int, height: int, seed: int, mode: str = "RGB"):
+    """Smooth colour ramps plus noise: resizing has something to do."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    base = np.stack([x * 255 // max(width - 1, 1), y * 255 // max(height - 1, 1), (x + y) % 256], axis=-1)
+    pixels = np.clip(base + rng.integers(-40, 40, base.shape), 0, 255).astype(np.uint8)
+    image = Image.fromarray(pixels)
+    if mode == "RGBA":
+        image.putalpha(Image.fromarray(rng.integers(0, 255, (height, width), dtype=np.uint8)))
+    return image
+
+
+def encoded(image, fmt: str = "PNG") -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, fmt)
+    return buffer.getvalue()
+
+
+def data_uri(image, fmt: str = "PNG") -> str:
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(encoded(image, fmt)).decode()
+
+
+QUESTIONS = {
+    "kind": {"type": "choice", "instructions": "What is shown?", "criteria": {"receipt": "A receipt", "photo": None, "chart": "A chart"}},
+    "urgent": {"type": "noul", "instructions": "Is it urgent?"},
+    "quality": {"type": "score", "instructions": "How clear is it?", "criteria": ["blurry", "fair", "sharp"]},
+}
+
+CASES = {
+    # one tiny image: resized up to the processor's minimum (256x256 pixels)
+    "1-tiny": ("Ticket 4312: see the screenshot.", [picture(40, 24, 1)]),
+    # two aspect ratios, one with alpha (composited over white), one JPEG
+    "2-aspects": ("Two photos of the parcel.", [picture(300, 120, 2, mode="RGBA"), picture(96, 410, 3)]),
+    # four sizes, one resized down (640x480 over the 512x512 maximum), a JSON state
+    "4-json": (
+        {"order": 81, "items": ["lamp", "cable"], "note": "damaged on arrival"},
+        [picture(640, 480, 4), picture(33, 70, 5), picture(256, 256, 6), picture(200, 150, 7)],
+    ),
+}
+
+
+def as_request(state, images, *, form=data_uri):
+    return {"model": "clef-flash", "state": state, "images": [form(image) for image in images], "questions": QUESTIONS}
+
+
+def reference_logits(reference, state, images, questions=QUESTIONS):
+    jsm, model, processor = reference
+    record = {"state": state, "images": list(images), "questions": questions}
+    encoded_record = jsm.encode_record(processor.tokenizer, record, processor=processor, max_length=65536)
+    with torch.no_grad():
+        logits = model(jsm.collate_records([encoded_record], processor.tokenizer.pad_token_id, torch.device("cpu")))[0]
+    return encoded_record, {q.question_id: dict(zip(q.option_ids, l.tolist())) for q, l in zip(encoded_record.questions, logits)}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_parity_with_the_reference(clef, reference, case):
+    state, images = CASES[case]
+    request = as_request(state, images)
+    ours = clef.encode(request)
+    ref_record, ref_logits = reference_logits(reference, state, images)
+    assert ours.input_ids == ref_record.input_ids
+    assert [q.question_span for q in ours.questions] == [q.question_span for q in ref_record.questions]
+    grids = ref_record.media["image_grid_thw"].tolist()
+    assert [list(grid) for grid in ours.media.grids] == grids
+    pixel_error = (torch.from_numpy(ours.media.pixel_values) - ref_record.media["pixel_values"]).abs().max().item()
+    logits = clef.logits(request)
+    worst = 0.0
+    for question_id, options in ref_logits.items():
+        expected = torch.tensor(list(options.values()), dtype=torch.float64)
+        got = torch.tensor([logits[question_id][option] for option in options], dtype=torch.float64)
+        worst = max(worst, ((got - expected).abs().max() / expected.abs().max()).item())
+        assert max(options, key=options.get) == max(logits[question_id], key=logits[question_id].get)
+    print(f"{case}: {len(ours.input_ids)} tokens ({ours.media.tokens} image), grids {grids}, "
+          f"|pixel_values - ref| {pixel_error:.1e}, logits rel {worst:.1e}")
+    assert pixel_error <= 1e-6
+    assert worst <= 1e-5
+
+
+def test_python_forms_give_the_same_record(clef, tmp_path):
+    image = picture(120, 90, 8)
+    path = tmp_path / "shot.png"
+    path.write_bytes(encoded(image))
+    records = [
+        clef.encode(as_request("s", [image], form=form))
+        for form in (data_uri, lambda im: im, encoded, lambda im: path)
+    ]
+    assert len({record.input_ids for record in records}) == 1
+    assert all(np.array_equal(record.media.pixel_values, records[0].media.pixel_values) for record in records)
+    # a JPEG and a WebP decode with Pillow too
+    for fmt in ("JPEG", "WEBP"):
+        assert clef.encode(as_request("s", [image], form=lambda im: data_uri(im, fmt))).media.grids == records[0].media.grids
+
+
+def test_batch_invariance_with_text_records(clef):
+    state, images = CASES["2-aspects"]
+    request = as_request(state, images)
+    text = [{"state": f"plain text record {i} " * (i + 1), "questions": QUESTIONS} for i in range(3)]
+    alone = clef.logits(request)
+    texts_alone = [clef.logits(record) for record in text]
+    together = clef.answer_many([text[0], request, text[1], text[2]], decimals=None)
+    mixed = clef.score([clef.encode(r) for r in [text[0], request, text[1], text[2]]])
+    assert len(together) == 4 and together[1]["usage"]["input_tokens"] == clef.encode(request).token_count
+    worst = 0.0
+    for expected, results in zip([texts_alone[0], alone, texts_alone[1], texts_alone[2]], mixed):
+        for result in results:
+            want = torch.tensor([expected[result.question_id][o] for o in result.option_ids], dtype=torch.float64)
+            worst = max(worst, ((torch.tensor(result.logits) - want).abs().max() / want.abs().max()).item())
+    print(f"image record alone vs batched with text records: rel {worst:.1e}")
+    assert worst <= 1e-5
+
+
+def test_text_positions_are_bit_identical_through_mrope(clef):
+    config = clef.parts.decoder.config
+    positions = torch.arange(5, 5 + 37)
+    cos, sin = rotary_cos_sin(config, 5, 37, torch.float32, torch.device("cpu"))
+    cos3, sin3 = mrope_cos_sin(config, positions.expand(3, 1, -1), torch.float32, torch.device("cpu"))
+    assert torch.equal(cos3[0], cos) and torch.equal(sin3[0], sin)
+    ids = torch.tensor([clef.encode({"state": "text only", "questions": QUESTIONS}).input_ids])
+    with torch.no_grad():
+        plain = clef.parts.decoder(ids)
+        through = clef.parts.decoder(ids, positions=torch.arange(ids.shape[1]).expand(3, 1, -1))
+    assert torch.equal(plain, through)
+
+
+def test_vision_tokens_count_against_the_token_limit(release):
+    small = clef_flash.load(str(release), precision="fp32", max_length=300)
+    with pytest.raises(RecordTooLong) as caught:
+        small.encode(as_request("s", [picture(600, 400, 9)]))
+    assert caught.value.token_count > 300 and "300" in str(caught.value)
+
+
+def test_a_text_only_source_refuses_images(release, tmp_path):
+    text_only = tmp_path / "text-only"
+    text_only.mkdir()
+    for path in release.iterdir():
+        if path.name not in ("preprocessor_config.json", "video_preprocessor_config.json"):
+            (text_only / path.name).symlink_to(path)
+    model = clef_flash.load(str(text_only), precision="fp32")
+    with pytest.raises(RequestInvalid) as caught:
+        model.answer(as_request("s", [picture(20, 20, 1)]))
+    assert caught.value.errors[0]["type"] == "images_unsupported" and caught.value.errors[0]["loc"] == ["body", "images"]
+
+
+def _png_of_pixels(width: int, height: int) -> str:
+    return "data:image/png;base64," + base64.b64encode(encoded(Image.new("L", (width, height)))).decode()
+
+
+def _noise_png(nbytes: int) -> str:
+    side = int((nbytes / 3) ** 0.5) + 8
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 255, (side, side, 3), dtype=np.uint8))
+    return data_uri(image)
+
+
+REFUSALS = [
+    ("remote-url", lambda: ["https://example.com/cat.png"], ["body", "images", 0], "image_url_refused"),
+    ("not-a-uri", lambda: ["/etc/passwd"], ["body", "images", 0], "image_type"),
+    ("bad-base64", lambda: [_png_of_pixels(4, 4), "data:image/png;base64,!!!!"], ["body", "images", 1], "image_base64"),
+    ("gif", lambda: ["data:image/gif;base64,R0lGODlhAQABAAAAACw="], ["body", "images", 0], "image_format"),
+    ("undecodable", lambda: ["data:image/png;base64," + base64.b64encode(b"not a png").decode()], ["body", "images", 0], "image_undecodable"),
+    ("too-many-pixels", lambda: [_png_of_pixels(5000, 4000)], ["body", "images", 0], "image_too_many_pixels"),
+    ("too-large", lambda: [_noise_png(4_300_000)], ["body", "images", 0], "image_too_large"),
+    ("too-large-together", lambda: [_noise_png(3_000_000)] * 3, ["body", "images"], "images_too_large"),
+    ("too-many", lambda: [_png_of_pixels(4, 4)] * 5, ["body", "images"], "too_many_images"),
+]
+
+
+@pytest.fixture(scope="module")
+def refusal_bodies():
+    return {name: make() for name, make, _, _ in REFUSALS}
+
+
+@pytest.mark.parametrize(("name", "loc", "error_type"), [(n, l, t) for n, _, l, t in REFUSALS], ids=[n for n, *_ in REFUSALS])
+def test_refusals_through_the_api_and_the_server(clef, server, refusal_bodies, name, loc, error_type):
+    request = {"state": "s", "questions": {"q": {"type": "noul"}}, "images": refusal_bodies[name]}
+    with pytest.raises(RequestInvalid) as caught:
+        clef.answer(request)
+    item = caught.value.errors[0]
+    assert (item["loc"], item["type"]) == (loc, error_type), item
+    assert len(json.dumps(item)) < 1000  # the image is never echoed back
+    response = server.post("/v1/systemone", content=json.dumps(request).encode())
+    assert response.status_code == 422, response.text
+    detail = response.json()["detail"][0]
+    assert (detail["loc"], detail["type"]) == (loc, error_type)
+
+
+@pytest.fixture(scope="module")
+def server(clef):
+    from fastapi.testclient import TestClient
+
+    from clef_flash.server import create_app
+
+    with TestClient(create_app(clef, batch_wait_ms=0, warm_up=False)) as client:
+        yield client
+
+
+def test_server_answers_images_past_the_text_body_limit(clef, server):
+    big_image = _noise_png(1_500_000)  # a 2 MB body: over the 1 MiB text limit, within the image limit
+    body = json.dumps(as_request("s", []) | {"images": [big_image]}).encode()
+    assert len(body) > 1 << 20
+    response = server.post("/v1/systemone", content=body)
+    assert response.status_code == 200, response.text[:300]
+    assert response.json()["usage"]["input_tokens"] == clef.encode(json.loads(body)).token_count
+    text = json.dumps({"state": "x" * (1 << 20), "questions": QUESTIONS}).encode()
+    refused = server.post("/v1/systemone", content=text)
+    assert refused.status_code == 413 and "without images" in refused.json()["detail"]
+
+
+def test_state_reuse_keys_on_the_images(clef, reference):
+    """Two records with the same images and state share one prefix + state run; the same state with other
+    images of the same sizes (the same tokens) is not mistaken for it."""
+    state, images = CASES["2-aspects"]
+    other_images = [picture(image.width, image.height, seed=40 + n, mode=image.mode) for n, image in enumerate(images)]
+    first = as_request(state, images)
+    other_questions = {"urgent": QUESTIONS["urgent"], "kind": QUESTIONS["kind"]}
+    second = as_request(state, images) | {"questions": other_questions}
+    third = as_request(state, other_images)
+    assert clef.encode(first).input_ids[:200] == clef.encode(third).input_ids[:200]
+    from clef_flash.engine.backend import Timings
+
+    timings = Timings()
+    records = [clef.encode(request) for request in (first, second, third)]
+    results = clef.score(records, timings)
+    kept = records[0].prefix_tokens + records[0].state_tokens
+    # the second record continues the first's state (the first too when an earlier test kept it); the third never
+    assert timings.tokens_reused in (kept, 2 * kept), (timings.tokens_reused, kept)
+    _, expected_first = reference_logits(reference, state, images)
+    _, expected_second = reference_logits(reference, state, images, other_questions)
+    _, expected_third = reference_logits(reference, state, other_images)
+    worst = 0.0
+    for per_question, expected in ((results[0], expected_first), (results[1], expected_second), (results[2], expected_third)):
+        for result in per_question:
+            want = torch.tensor([expected[result.question_id][o] for o in result.option_ids], dtype=torch.float64)
+            worst = max(worst, ((torch.tensor(result.logits) - want).abs().max() / want.abs().max()).item())
+    print(f"records continuing a kept state with images vs the reference: rel {worst:.1e}")
+    assert worst <= 1e-5
+
+
+def test_segments_split_an_image(clef):
+    """A record run in 50-token segments (its image pads cut across them) equals one pass."""
+    request = as_request(*CASES["2-aspects"])
+    whole = clef.logits(request)
+    previous = clef.segment_tokens
+    try:
+        clef.segment_tokens = 50
+        clef.state_cache.clear()
+        segmented = clef.logits(request)
+    finally:
+        clef.segment_tokens = previous
+    worst = max(abs(segmented[q][o] - whole[q][o]) / max(abs(v) for v in whole[q].values()) for q in whole for o in whole[q])
+    print(f"50-token segments vs one pass: rel {worst:.1e}")
+    assert worst <= 1e-5
