@@ -8,7 +8,10 @@
 - server:   the same 8 as sequential HTTP requests from one client to a real uvicorn server, state cache
             on (emptied before each round) against off; alternating rounds.
 - long:     one record of 370, 4K, 16K and 64K tokens, each in a fresh process: tokens/s and peak RSS, with
-            segments (the default) and, up to 16K, in one pass.
+            segments (the default) and in one pass (up to --one-pass-up-to; one that would not fit the
+            memory available, judged from the largest one pass measured, is reported with the figure it
+            needs instead). With segments, RSS is sampled after every decoder step, and the peak over the
+            370-token record is split into K/V, the head's memory rows and the rest.
 - segments: tokens/s of a 4K record for several segment sizes (what the default is chosen from).
 - overhead: what keeping the state costs a ~400-token record that is never asked again (two decoder
             steps instead of one pass).
@@ -142,41 +145,89 @@ def tokens_of(model, request) -> int:
         return error.token_count
 
 
+def rss_mb() -> float:
+    """Resident memory now."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
 def one_record(source: str, tokens: int, segment: int) -> dict:
-    """In this (fresh) process: load, answer one record of `tokens` tokens, report time and peak RSS."""
+    """In this (fresh) process: load, answer one record of `tokens` tokens, report time and peak RSS,
+    and RSS after every decoder step of it (resident now, and the peak so far)."""
     model = clef_flash.load(source, segment_tokens=segment)
     request = request_of_tokens(lambda request: tokens_of(model, request), tokens)
     loaded_rss = peak_rss_mb()
     # warm up on a short record (weights paged in and packed), then time the record once
     model.answer(request_of_tokens(lambda request: tokens_of(model, request), 370, seed=1))
     model.state_cache.clear()
+    warm_rss = peak_rss_mb()
+    decoder, steps = model.parts.decoder, []
+    forward = decoder.forward
+
+    def sampled(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        steps.append((round(rss_mb()), round(peak_rss_mb())))
+        return out
+
+    decoder.forward = sampled
     start = time.perf_counter()
     model.answer(request)
     seconds = time.perf_counter() - start
     count = model.encode(request).token_count
     return {"tokens": count, "segment": segment, "seconds": seconds, "tokens_per_s": count / seconds,
-            "peak_rss_mb": peak_rss_mb(), "rss_after_load_mb": loaded_rss, "precision": model.precision}
+            "peak_rss_mb": peak_rss_mb(), "rss_after_load_mb": loaded_rss, "peak_rss_after_warm_up_mb": warm_rss,
+            "precision": model.precision, "rss_by_step_mb": steps,
+            "kv_mb": (decoder.state_nbytes(count) - decoder.state_nbytes(0)) / 2**20,
+            "head_memory_mb": count * model.parts.head.config.width * 4 / 2**20}
 
 
 def in_fresh_process(source: str, tokens: int, segment: int) -> dict:
     output = subprocess.run(
         [sys.executable, __file__, "--model", source, "--one", str(tokens), "--segment", str(segment)],
-        capture_output=True, text=True, check=True,
+        capture_output=True, text=True, check=False,
     )
+    if output.returncode:
+        return {"tokens": tokens, "segment": segment, "failed": f"exit {output.returncode}: {output.stderr[-500:]}"}
     return json.loads(output.stdout.splitlines()[-1])
 
 
-def part_long(source: str, lengths: list[int]) -> dict:
+def available_mb() -> float:
+    with open("/proc/meminfo") as meminfo:
+        return next(int(line.split()[1]) for line in meminfo if line.startswith("MemAvailable:")) / 1024
+
+
+ONE_PASS = 1 << 20  # segment tokens: the whole record in one decoder step
+
+
+def part_long(source: str, lengths: list[int], one_pass_up_to: int) -> dict:
     rows = []
     for tokens in lengths:
-        rows.append(in_fresh_process(source, tokens, clef_flash.prefill.DEFAULT_SEGMENT_TOKENS))
-        print(json.dumps(rows[-1]), file=sys.stderr)
-        if tokens <= 16384:
-            rows.append(in_fresh_process(source, tokens, 1 << 20))
-            print(json.dumps(rows[-1]), file=sys.stderr)
-    base = next(row for row in rows if row["tokens"] <= 512)
-    longest = max((row for row in rows if row["segment"] != 1 << 20), key=lambda row: row["tokens"])
-    return {"rows": rows, "peak_rss_over_short_mb": longest["peak_rss_mb"] - base["peak_rss_mb"]}
+        runs = [clef_flash.prefill.DEFAULT_SEGMENT_TOKENS] + ([ONE_PASS] if tokens <= one_pass_up_to else [])
+        for segment in runs:
+            passes = [row for row in rows if row["segment"] == ONE_PASS and "peak_rss_mb" in row]
+            if segment == ONE_PASS and passes and rows[0]["tokens"] <= 512:
+                # what a one pass of this length needs, scaled from the largest measured (activations grow
+                # with the record, the rest does not), against what this machine has free now
+                largest = max(passes, key=lambda row: row["tokens"])
+                growth = (largest["peak_rss_mb"] - rows[0]["peak_rss_mb"]) / (largest["tokens"] - rows[0]["tokens"])
+                needs = rows[0]["peak_rss_mb"] + growth * (tokens - rows[0]["tokens"])
+                if needs > 0.9 * available_mb():
+                    rows.append({"tokens": tokens, "segment": segment, "does_not_fit": True, "needs_mb_estimate": needs,
+                                 "available_mb": available_mb()})
+                    print(json.dumps(rows[-1]), file=sys.stderr)
+                    continue
+            rows.append({**in_fresh_process(source, tokens, segment), "load_average": os.getloadavg()})
+            print(json.dumps({key: value for key, value in rows[-1].items() if key != "rss_by_step_mb"}), file=sys.stderr)
+    base = next(row for row in rows if row["tokens"] <= 512 and row["segment"] != ONE_PASS)
+    longest = max((row for row in rows if row["segment"] != ONE_PASS), key=lambda row: row["tokens"])
+    over = longest["peak_rss_mb"] - base["peak_rss_mb"]
+    return {
+        "rows": rows,
+        "peak_rss_over_short_mb": over,
+        "breakdown_mb": {"tokens": longest["tokens"], "kv": longest["kv_mb"] - base["kv_mb"],
+                         "head_memory_rows": longest["head_memory_mb"] - base["head_memory_mb"],
+                         "rest": over - (longest["kv_mb"] - base["kv_mb"]) - (longest["head_memory_mb"] - base["head_memory_mb"])},
+    }
 
 
 def part_segments(model, rounds: int, sizes=(512, 1024, 2048, 4096)) -> dict:
@@ -219,6 +270,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--parts", default="sets,server,long,segments,overhead")
     parser.add_argument("--lengths", default="370,4096,16384,65536")
+    parser.add_argument("--one-pass-up-to", type=int, default=65536, help="tokens: longer records only in segments")
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--segment", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=str(RESULTS / "state-reuse.json"))
@@ -239,7 +291,7 @@ def main() -> None:
                 print(name, json.dumps(report[name]), file=sys.stderr)
         del model
     if "long" in parts:
-        report["long"] = part_long(args.model, [int(value) for value in args.lengths.split(",")])
+        report["long"] = part_long(args.model, [int(value) for value in args.lengths.split(",")], args.one_pass_up_to)
     report["load_average_after"] = os.getloadavg()
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))

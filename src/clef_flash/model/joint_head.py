@@ -29,8 +29,11 @@ from torch import Tensor, nn
 from .head_batch import QUESTION_TYPE_COUNT, HeadBatch, segment_softmax
 from .precision import HEAD_DTYPE
 
-LOG_MAX_LOGIT_SCALE = math.log(100.0)
-MEMORY_CHUNK = 8192  # memory rows per step of the head's attention over a long record's memory  # the scales are exp(min(s, ln 100)), i.e. min(exp(s), 100)
+LOG_MAX_LOGIT_SCALE = math.log(100.0)  # the scales are exp(min(s, ln 100)), i.e. min(exp(s), 100)
+# The head's attention over a record's memory: up to ONE_CALL_ROWS rows, one SDPA call; longer (or with a
+# shared prefix), MEMORY_CHUNK rows at a time (its transient: ~3 x 4 x width bytes per row, 24 MB at 2,048).
+ONE_CALL_ROWS = 8192
+MEMORY_CHUNK = 2048
 
 # `lm_head.weight` [V, D], or a function gathering its rows for a LongTensor of ids (e.g. from a
 # memory-mapped 8-bit table): rows(ids [U]) -> [U, D].
@@ -103,13 +106,13 @@ class _Attention(nn.Module):
         """queries [B, L, w] attend to memory [B, T, w] (after `memory_norm`, when given); mask [B, 1, 1, T].
         With `prefixes`, the records of each one attend to its rows first, then to their own `memory`.
 
-        Up to MEMORY_CHUNK rows and no prefixes, one SDPA call. Otherwise chunk by chunk with a running
+        Up to ONE_CALL_ROWS rows and no prefixes, one SDPA call. Otherwise MEMORY_CHUNK rows at a time with a running
         log-sum-exp, so that the normed memory, keys and values of at most MEMORY_CHUNK rows exist at once
         (a 64K-token record's would be ~1 GB per layer), and a prefix's keys and values are computed once
         for all its records; the same softmax up to float rounding.
         """
         tokens = memory.shape[1]
-        if tokens <= MEMORY_CHUNK and not prefixes:
+        if tokens <= ONE_CALL_ROWS and not prefixes:
             keys, values = self.keys_values(memory if memory_norm is None else memory_norm(memory))
             return self.attend(queries, keys, values, mask)
         width = queries.shape[-1]
