@@ -204,14 +204,14 @@ def part_long(source: str, lengths: list[int], one_pass_up_to: int) -> dict:
     for tokens in lengths:
         runs = [clef_flash.prefill.DEFAULT_SEGMENT_TOKENS] + ([ONE_PASS] if tokens <= one_pass_up_to else [])
         for segment in runs:
-            passes = [row for row in rows if row["segment"] == ONE_PASS and "peak_rss_mb" in row]
+            passes = [row for row in rows if row["segment"] == ONE_PASS and "peak_rss_mb" in row and row["tokens"] > rows[0]["tokens"]]
             if segment == ONE_PASS and passes and rows[0]["tokens"] <= 512:
                 # what a one pass of this length needs, scaled from the largest measured (activations grow
                 # with the record, the rest does not), against what this machine has free now
                 largest = max(passes, key=lambda row: row["tokens"])
                 growth = (largest["peak_rss_mb"] - rows[0]["peak_rss_mb"]) / (largest["tokens"] - rows[0]["tokens"])
                 needs = rows[0]["peak_rss_mb"] + growth * (tokens - rows[0]["tokens"])
-                if needs > 0.9 * available_mb():
+                if needs > 0.7 * available_mb():  # a shared machine: leave room, never invite the OOM killer
                     rows.append({"tokens": tokens, "segment": segment, "does_not_fit": True, "needs_mb_estimate": needs,
                                  "available_mb": available_mb()})
                     print(json.dumps(rows[-1]), file=sys.stderr)
