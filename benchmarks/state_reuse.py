@@ -37,6 +37,7 @@ import clef_flash
 from clef_flash.engine import KEEP_FROM_TOKENS
 from clef_flash.errors import RecordTooLong
 from clef_flash.machine import this_machine
+from clef_flash.prefill import DEFAULT_SEGMENT_TOKENS
 from clef_flash.request.samples import WORDS, random_request, request_of_tokens
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -202,7 +203,7 @@ ONE_PASS = 1 << 20  # segment tokens: the whole record in one decoder step
 def part_long(source: str, lengths: list[int], one_pass_up_to: int) -> dict:
     rows = []
     for tokens in lengths:
-        runs = [clef_flash.prefill.DEFAULT_SEGMENT_TOKENS] + ([ONE_PASS] if tokens <= one_pass_up_to else [])
+        runs = [DEFAULT_SEGMENT_TOKENS] + ([ONE_PASS] if tokens <= one_pass_up_to else [])
         for segment in runs:
             passes = [row for row in rows if row["segment"] == ONE_PASS and "peak_rss_mb" in row and row["tokens"] > rows[0]["tokens"]]
             if segment == ONE_PASS and passes and rows[0]["tokens"] <= 512:
