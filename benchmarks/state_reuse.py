@@ -4,7 +4,7 @@
 
 - sets:     8 question sets (3 questions each) on one 4,000-token state as one `answer_many` call (the state
             runs once) against the 8 records run independently (cache off, one call each); alternating
-            rounds, medians; the answers of both compared.
+            rounds after a warm-up with the shared call, medians; the answers of both compared.
 - server:   the same 8 as sequential HTTP requests from one client to a real uvicorn server, state cache
             on (emptied before each round) against off; alternating rounds.
 - long:     one record of 370, 4K, 16K and 64K tokens, each in a fresh process: tokens/s and peak RSS, with
@@ -76,8 +76,8 @@ def part_sets(model, rounds: int) -> dict:
     bound = model.state_cache.max_bytes
     shared_s, independent_s = [], []
     logits = {}
-    for round_index in range(rounds + 1):  # round 0 warms up
-        for mode in ("shared", "independent") if round_index % 2 else ("independent", "shared"):
+    for round_index in range(rounds + 1):  # round 0 warms up (the shared call runs every step the other does)
+        for mode in ("shared", "independent") if round_index % 2 else ("independent", "shared")[round_index == 0 :]:
             model.state_cache.clear()
             if mode == "shared":
                 model.state_cache.max_bytes = bound
