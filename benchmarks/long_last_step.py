@@ -1,6 +1,6 @@
 """The peak RSS of a long record's last decoder step and its head, without running the tokens before it.
 
-    python benchmarks/long_last_step.py [--model benchmarks/.peer/bundle-9b-part] [--tokens 65536]
+    python benchmarks/long_last_step.py [--model benchmarks/.peer/bundle-9b-part] [--tokens 65536] [--segment 2048]
 
 In a fresh process: load, answer a ~370-token record (its peak is the short record's), then build what a
 record of --tokens tokens holds when its last segment starts, as a segmented run leaves it: K/V buffers of
@@ -38,13 +38,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="benchmarks/.peer/bundle-9b-part")
     parser.add_argument("--tokens", type=int, default=65536)
+    parser.add_argument("--segment", type=int, default=DEFAULT_SEGMENT_TOKENS)
     args = parser.parse_args()
     load = os.getloadavg()
     model = clef_flash.load(args.model, state_cache_mb=0)
     model.answer(request_of_tokens(lambda request: tokens_of(model, request), 370, seed=1))
     short_peak = peak_rss_mb()
     record = model.encode(request_of_tokens(lambda request: tokens_of(model, request), args.tokens))
-    decoder, head, segment = model.parts.decoder, model.parts.head, DEFAULT_SEGMENT_TOKENS
+    decoder, head, segment = model.parts.decoder, model.parts.head, args.segment
     total = record.token_count
     past = total - (total - 1) % segment - 1  # where a segmented run's last step starts
     generator = torch.Generator().manual_seed(0)
@@ -67,7 +68,7 @@ def main() -> None:
                      state=state)
         head.score(builder.features(), head_batch, model.parts.lm_head)
     report = {
-        "tokens": total, "last_segment_from": past, "seconds": time.perf_counter() - start,
+        "tokens": total, "segment": segment, "last_segment_from": past, "seconds": time.perf_counter() - start,
         "short_record_peak_mb": short_peak, "rss_before_last_step_mb": before, "peak_mb": peak_rss_mb(),
         "kv_mb": (decoder.state_nbytes(total) - decoder.state_nbytes(0)) / 2**20, "head_memory_mb": total * head.config.width * 4 / 2**20,
         "precision": model.precision, "load_average": [load, os.getloadavg()],
