@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from clef_flash.errors import ModelSourceError
-from clef_flash.model.config import QWEN3_5_9B, TextConfig
 from clef_flash.model import qwen3_5
+from clef_flash.model.config import QWEN3_5_9B, TextConfig
 from clef_flash.model.qwen3_5 import DecoderState, Qwen35Decoder
 
 transformers = pytest.importorskip("transformers")

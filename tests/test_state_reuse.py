@@ -106,7 +106,7 @@ def test_question_sets_on_one_state_run_unpadded_and_share_the_heads_memory(one_
     """8 question sets of different lengths on one state (issue 28): the continuations' MLPs run on their
     real tokens alone and the head attends to the state's memory rows once for all 8; fp32 logits within
     1e-5 relative of each record run cold and alone, the same decisions."""
-    import clef_flash.model.joint_head as joint_head
+    from clef_flash.model import joint_head
 
     rng = random.Random(28)
     state = random_request(rng, state_words=120)["state"]
