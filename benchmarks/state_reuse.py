@@ -5,6 +5,9 @@
 - sets:     8 question sets (3 questions each) on one 4,000-token state as one `answer_many` call (the state
             runs once) against the 8 records run independently (cache off, one call each); alternating
             rounds after a warm-up with the shared call, medians; the answers of both compared.
+- pairs:    the same on a loaded machine: the shared call alternates with ONE of the 8 records run alone
+            (cycling through them), so each pair sees the same load; the 8 alone are estimated as 8 x the
+            mean of those; decisions and logits of each record alone compared with the shared call's.
 - server:   the same 8 as sequential HTTP requests from one client to a real uvicorn server, state cache
             on (emptied before each round) against off; alternating rounds.
 - long:     one record of 370, 4K, 16K and 64K tokens, each in a fresh process: tokens/s and peak RSS, with
@@ -114,6 +117,39 @@ def part_sets(model, rounds: int) -> dict:
         "decisions_differing": flips,
         "cached_state_mb": entry_bytes / 2**20,
     }
+
+
+def part_pairs(model, rounds: int) -> dict:
+    state = state_of_tokens(model, 4000)
+    requests = [{"model": "clef-flash", "state": state, "questions": questions} for questions in question_sets(8)]
+    bound = model.state_cache.max_bytes
+    shared_s, alone_s, loads, worst, flips = [], [], [], 0.0, 0
+    shared_logits = None
+    for index in range(rounds + 1):  # pair 0 warms up
+        model.state_cache.clear()
+        model.state_cache.max_bytes = bound
+        start = time.perf_counter()
+        shared_logits = model._run(requests)[1]
+        seconds = time.perf_counter() - start
+        model.state_cache.clear()
+        model.state_cache.max_bytes = 0
+        record = index % len(requests)
+        start = time.perf_counter()
+        alone = model._run([requests[record]])[1][0]
+        alone_seconds = time.perf_counter() - start
+        if index:
+            shared_s.append(seconds)
+            alone_s.append(alone_seconds)
+            loads.append(os.getloadavg()[0])
+        for a, b in zip(shared_logits[record], alone):
+            scale = max(abs(value) for value in b.logits)
+            worst = max(worst, max(abs(x - y) for x, y in zip(a.logits, b.logits)) / scale)
+            flips += max(range(len(a.logits)), key=a.logits.__getitem__) != max(range(len(b.logits)), key=b.logits.__getitem__)
+    model.state_cache.max_bytes = bound
+    ratios = [len(requests) * alone / shared for shared, alone in zip(shared_s, alone_s)]
+    return {"shared_s": shared_s, "alone_s": alone_s, "load_1min": loads, "pair_ratios": ratios,
+            "speedup": len(requests) * statistics.mean(alone_s) / statistics.median(shared_s),
+            "max_relative_logit_difference": worst, "decisions_differing": flips}
 
 
 def part_server(model, rounds: int) -> dict:
@@ -282,10 +318,10 @@ def main() -> None:
     machine = this_machine()
     report = {"machine": machine.key, "cpu": machine.cpu, "load_average": os.getloadavg(), "model": args.model}
     parts = args.parts.split(",")
-    if {"sets", "server", "segments", "overhead"} & set(parts):
+    if {"sets", "pairs", "server", "segments", "overhead"} & set(parts):
         model = clef_flash.load(args.model)
         report["precision"] = model.precision
-        runs = (("sets", part_sets), ("server", part_server), ("segments", part_segments), ("overhead", part_overhead))
+        runs = (("sets", part_sets), ("pairs", part_pairs), ("server", part_server), ("segments", part_segments), ("overhead", part_overhead))
         for name, run in runs:
             if name in parts:
                 report[name] = run(model, args.rounds)
