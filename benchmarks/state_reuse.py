@@ -4,11 +4,17 @@
 
 - sets:     8 question sets (3 questions each) on one 4,000-token state as one `answer_many` call (the state
             runs once) against the 8 records run independently (cache off, one call each); alternating
-            rounds, medians; the answers of both compared.
+            rounds after a warm-up with the shared call, medians; the answers of both compared.
+- pairs:    the same on a loaded machine: the shared call alternates with ONE of the 8 records run alone
+            (cycling through them), so each pair sees the same load; the 8 alone are estimated as 8 x the
+            mean of those; decisions and logits of each record alone compared with the shared call's.
 - server:   the same 8 as sequential HTTP requests from one client to a real uvicorn server, state cache
             on (emptied before each round) against off; alternating rounds.
 - long:     one record of 370, 4K, 16K and 64K tokens, each in a fresh process: tokens/s and peak RSS, with
-            segments (the default) and, up to 16K, in one pass.
+            segments (the default) and in one pass (up to --one-pass-up-to; one that would not fit the
+            memory available, judged from the largest one pass measured, is reported with the figure it
+            needs instead). With segments, RSS is sampled after every decoder step, and the peak over the
+            370-token record is split into K/V, the head's memory rows and the rest.
 - segments: tokens/s of a 4K record for several segment sizes (what the default is chosen from).
 - overhead: what keeping the state costs a ~400-token record that is never asked again (two decoder
             steps instead of one pass).
@@ -34,6 +40,7 @@ import clef_flash
 from clef_flash.engine import KEEP_FROM_TOKENS
 from clef_flash.errors import RecordTooLong
 from clef_flash.machine import this_machine
+from clef_flash.prefill import DEFAULT_SEGMENT_TOKENS
 from clef_flash.request.samples import WORDS, random_request, request_of_tokens
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -72,8 +79,8 @@ def part_sets(model, rounds: int) -> dict:
     bound = model.state_cache.max_bytes
     shared_s, independent_s = [], []
     logits = {}
-    for round_index in range(rounds + 1):  # round 0 warms up
-        for mode in ("shared", "independent") if round_index % 2 else ("independent", "shared"):
+    for round_index in range(rounds + 1):  # round 0 warms up (the shared call runs every step the other does)
+        for mode in ("shared", "independent") if round_index % 2 else ("independent", "shared")[round_index == 0 :]:
             model.state_cache.clear()
             if mode == "shared":
                 model.state_cache.max_bytes = bound
@@ -112,6 +119,39 @@ def part_sets(model, rounds: int) -> dict:
     }
 
 
+def part_pairs(model, rounds: int) -> dict:
+    state = state_of_tokens(model, 4000)
+    requests = [{"model": "clef-flash", "state": state, "questions": questions} for questions in question_sets(8)]
+    bound = model.state_cache.max_bytes
+    shared_s, alone_s, loads, worst, flips = [], [], [], 0.0, 0
+    shared_logits = None
+    for index in range(rounds + 1):  # pair 0 warms up
+        model.state_cache.clear()
+        model.state_cache.max_bytes = bound
+        start = time.perf_counter()
+        shared_logits = model._run(requests)[1]
+        seconds = time.perf_counter() - start
+        model.state_cache.clear()
+        model.state_cache.max_bytes = 0
+        record = index % len(requests)
+        start = time.perf_counter()
+        alone = model._run([requests[record]])[1][0]
+        alone_seconds = time.perf_counter() - start
+        if index:
+            shared_s.append(seconds)
+            alone_s.append(alone_seconds)
+            loads.append(os.getloadavg()[0])
+        for a, b in zip(shared_logits[record], alone):
+            scale = max(abs(value) for value in b.logits)
+            worst = max(worst, max(abs(x - y) for x, y in zip(a.logits, b.logits)) / scale)
+            flips += max(range(len(a.logits)), key=a.logits.__getitem__) != max(range(len(b.logits)), key=b.logits.__getitem__)
+    model.state_cache.max_bytes = bound
+    ratios = [len(requests) * alone / shared for shared, alone in zip(shared_s, alone_s)]
+    return {"shared_s": shared_s, "alone_s": alone_s, "load_1min": loads, "pair_ratios": ratios,
+            "speedup": len(requests) * statistics.mean(alone_s) / statistics.median(shared_s),
+            "max_relative_logit_difference": worst, "decisions_differing": flips}
+
+
 def part_server(model, rounds: int) -> dict:
     from clef_flash.server import create_app
     from clef_flash.testing.server import running_server
@@ -142,41 +182,89 @@ def tokens_of(model, request) -> int:
         return error.token_count
 
 
+def rss_mb() -> float:
+    """Resident memory now."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
 def one_record(source: str, tokens: int, segment: int) -> dict:
-    """In this (fresh) process: load, answer one record of `tokens` tokens, report time and peak RSS."""
+    """In this (fresh) process: load, answer one record of `tokens` tokens, report time and peak RSS,
+    and RSS after every decoder step of it (resident now, and the peak so far)."""
     model = clef_flash.load(source, segment_tokens=segment)
     request = request_of_tokens(lambda request: tokens_of(model, request), tokens)
     loaded_rss = peak_rss_mb()
     # warm up on a short record (weights paged in and packed), then time the record once
     model.answer(request_of_tokens(lambda request: tokens_of(model, request), 370, seed=1))
     model.state_cache.clear()
+    warm_rss = peak_rss_mb()
+    decoder, steps = model.parts.decoder, []
+    forward = decoder.forward
+
+    def sampled(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        steps.append((round(rss_mb()), round(peak_rss_mb())))
+        return out
+
+    decoder.forward = sampled
     start = time.perf_counter()
     model.answer(request)
     seconds = time.perf_counter() - start
     count = model.encode(request).token_count
     return {"tokens": count, "segment": segment, "seconds": seconds, "tokens_per_s": count / seconds,
-            "peak_rss_mb": peak_rss_mb(), "rss_after_load_mb": loaded_rss, "precision": model.precision}
+            "peak_rss_mb": peak_rss_mb(), "rss_after_load_mb": loaded_rss, "peak_rss_after_warm_up_mb": warm_rss,
+            "precision": model.precision, "rss_by_step_mb": steps,
+            "kv_mb": (decoder.state_nbytes(count) - decoder.state_nbytes(0)) / 2**20,
+            "head_memory_mb": count * model.parts.head.config.width * 4 / 2**20}
 
 
 def in_fresh_process(source: str, tokens: int, segment: int) -> dict:
     output = subprocess.run(
         [sys.executable, __file__, "--model", source, "--one", str(tokens), "--segment", str(segment)],
-        capture_output=True, text=True, check=True,
+        capture_output=True, text=True, check=False,
     )
+    if output.returncode:
+        return {"tokens": tokens, "segment": segment, "failed": f"exit {output.returncode}: {output.stderr[-500:]}"}
     return json.loads(output.stdout.splitlines()[-1])
 
 
-def part_long(source: str, lengths: list[int]) -> dict:
+def available_mb() -> float:
+    with open("/proc/meminfo") as meminfo:
+        return next(int(line.split()[1]) for line in meminfo if line.startswith("MemAvailable:")) / 1024
+
+
+ONE_PASS = 1 << 20  # segment tokens: the whole record in one decoder step
+
+
+def part_long(source: str, lengths: list[int], one_pass_up_to: int) -> dict:
     rows = []
     for tokens in lengths:
-        rows.append(in_fresh_process(source, tokens, clef_flash.prefill.DEFAULT_SEGMENT_TOKENS))
-        print(json.dumps(rows[-1]), file=sys.stderr)
-        if tokens <= 16384:
-            rows.append(in_fresh_process(source, tokens, 1 << 20))
-            print(json.dumps(rows[-1]), file=sys.stderr)
-    base = next(row for row in rows if row["tokens"] <= 512)
-    longest = max((row for row in rows if row["segment"] != 1 << 20), key=lambda row: row["tokens"])
-    return {"rows": rows, "peak_rss_over_short_mb": longest["peak_rss_mb"] - base["peak_rss_mb"]}
+        runs = [DEFAULT_SEGMENT_TOKENS] + ([ONE_PASS] if tokens <= one_pass_up_to else [])
+        for segment in runs:
+            passes = [row for row in rows if row["segment"] == ONE_PASS and "peak_rss_mb" in row and row["tokens"] > rows[0]["tokens"]]
+            if segment == ONE_PASS and passes and rows[0]["tokens"] <= 512:
+                # what a one pass of this length needs, scaled from the largest measured (activations grow
+                # with the record, the rest does not), against what this machine has free now
+                largest = max(passes, key=lambda row: row["tokens"])
+                growth = (largest["peak_rss_mb"] - rows[0]["peak_rss_mb"]) / (largest["tokens"] - rows[0]["tokens"])
+                needs = rows[0]["peak_rss_mb"] + growth * (tokens - rows[0]["tokens"])
+                if needs > 0.7 * available_mb():  # a shared machine: leave room, never invite the OOM killer
+                    rows.append({"tokens": tokens, "segment": segment, "does_not_fit": True, "needs_mb_estimate": needs,
+                                 "available_mb": available_mb()})
+                    print(json.dumps(rows[-1]), file=sys.stderr)
+                    continue
+            rows.append({**in_fresh_process(source, tokens, segment), "load_average": os.getloadavg()})
+            print(json.dumps({key: value for key, value in rows[-1].items() if key != "rss_by_step_mb"}), file=sys.stderr)
+    base = next(row for row in rows if row["tokens"] <= 512 and row["segment"] != ONE_PASS)
+    longest = max((row for row in rows if row["segment"] != ONE_PASS), key=lambda row: row["tokens"])
+    over = longest["peak_rss_mb"] - base["peak_rss_mb"]
+    return {
+        "rows": rows,
+        "peak_rss_over_short_mb": over,
+        "breakdown_mb": {"tokens": longest["tokens"], "kv": longest["kv_mb"] - base["kv_mb"],
+                         "head_memory_rows": longest["head_memory_mb"] - base["head_memory_mb"],
+                         "rest": over - (longest["kv_mb"] - base["kv_mb"]) - (longest["head_memory_mb"] - base["head_memory_mb"])},
+    }
 
 
 def part_segments(model, rounds: int, sizes=(512, 1024, 2048, 4096)) -> dict:
@@ -219,6 +307,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--parts", default="sets,server,long,segments,overhead")
     parser.add_argument("--lengths", default="370,4096,16384,65536")
+    parser.add_argument("--one-pass-up-to", type=int, default=65536, help="tokens: longer records only in segments")
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--segment", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=str(RESULTS / "state-reuse.json"))
@@ -229,17 +318,17 @@ def main() -> None:
     machine = this_machine()
     report = {"machine": machine.key, "cpu": machine.cpu, "load_average": os.getloadavg(), "model": args.model}
     parts = args.parts.split(",")
-    if {"sets", "server", "segments", "overhead"} & set(parts):
+    if {"sets", "pairs", "server", "segments", "overhead"} & set(parts):
         model = clef_flash.load(args.model)
         report["precision"] = model.precision
-        runs = (("sets", part_sets), ("server", part_server), ("segments", part_segments), ("overhead", part_overhead))
+        runs = (("sets", part_sets), ("pairs", part_pairs), ("server", part_server), ("segments", part_segments), ("overhead", part_overhead))
         for name, run in runs:
             if name in parts:
                 report[name] = run(model, args.rounds)
                 print(name, json.dumps(report[name]), file=sys.stderr)
         del model
     if "long" in parts:
-        report["long"] = part_long(args.model, [int(value) for value in args.lengths.split(",")])
+        report["long"] = part_long(args.model, [int(value) for value in args.lengths.split(",")], args.one_pass_up_to)
     report["load_average_after"] = os.getloadavg()
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from clef_flash.errors import ModelSourceError
+from clef_flash.model import qwen3_5
 from clef_flash.model.config import QWEN3_5_9B, TextConfig
 from clef_flash.model.qwen3_5 import DecoderState, Qwen35Decoder
 
@@ -334,10 +335,13 @@ def test_segments_equal_one_pass(models, name, length):
     assert err64 <= 1e-12 and err32 <= 3e-5
 
 
-def test_ragged_segments_equal_one_pass(models):
+@pytest.mark.parametrize("mask_elements", [1 << 23, 100])
+def test_ragged_segments_equal_one_pass(models, monkeypatch, mask_elements):
     """Rows of different lengths carry a state across right-padded segments of different lengths per row
-    (pad steps inert in the delta rule, conv tails taken per row, per-row attention pasts and positions),
-    rows are selected and stacked between segments, and each row equals its own one pass."""
+    (pad steps inert in the delta rule, conv tails taken per row, per-row attention pasts and positions;
+    the MLPs run on the real tokens alone), rows are selected and stacked between segments, and each row
+    equals its own one pass. With 100 mask elements, queries after a past attend in chunks of 1 to 2."""
+    monkeypatch.setattr(qwen3_5, "ATTENTION_MASK_ELEMENTS", mask_elements)
     _, ours = models("odd")
     ours64 = converted(ours, torch.float64)
     lengths = (90, 1, 67, 130)
@@ -368,7 +372,7 @@ def test_ragged_segments_equal_one_pass(models):
         errors = [rel(torch.cat(pieces[row]), whole[row]) for row in range(len(lengths))]
         shared = DecoderState.stack([state.row(1)] * 3)  # one state broadcast to 3 rows
         assert shared.lengths == (90,) * 3 and shared.layers[0].recurrent.stride(0) == 0
-    print("ragged segments vs one pass, float64, per row:", " ".join(f"{e:.1e}" for e in errors))
+    print(f"ragged segments vs one pass, float64, mask of {mask_elements}, per row:", " ".join(f"{e:.1e}" for e in errors))
     assert done == list(lengths) and max(errors) <= 1e-12
 
 

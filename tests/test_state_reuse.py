@@ -90,15 +90,52 @@ def test_segments_and_kept_states_equal_one_pass(one_pass, requests, segment, ca
 
 
 def test_the_head_reads_a_long_memory_in_chunks(one_pass, requests, monkeypatch):
-    """Over MEMORY_CHUNK memory rows the head attends chunk by chunk (a running log-sum-exp): the same logits."""
+    """Over ONE_CALL_ROWS memory rows the head attends chunk by chunk (a running log-sum-exp): the same logits."""
     import clef_flash.model.joint_head as joint_head
 
     expected = logits_of(one_pass, requests)
+    monkeypatch.setattr(joint_head, "ONE_CALL_ROWS", 16)
     monkeypatch.setattr(joint_head, "MEMORY_CHUNK", 16)
     chunked = logits_of(one_pass, requests)
     error = worst_relative(chunked, expected)
     print(f"head memory in chunks of 16 rows vs one SDPA call: fp32 {error:.1e}")
     assert error <= 1e-5 and decisions(chunked) == decisions(expected)
+
+
+def test_question_sets_on_one_state_run_unpadded_and_share_the_heads_memory(one_pass):
+    """8 question sets of different lengths on one state (issue 28): the continuations' MLPs run on their
+    real tokens alone and the head attends to the state's memory rows once for all 8; fp32 logits within
+    1e-5 relative of each record run cold and alone, the same decisions."""
+    from clef_flash.model import joint_head
+
+    rng = random.Random(28)
+    state = random_request(rng, state_words=120)["state"]
+    asked = [{"model": "clef-flash", "state": state, "questions": random_request(rng, questions=1 + index % 3)["questions"]} for index in range(8)]
+    expected = [logits_of(one_pass, [request])[0] for request in asked]
+    model = clef_flash.load("tiny", precision="fp32", state_cache_mb=0)
+    mlp_rows, prefixes = [], []
+    mlp = model.parts.decoder.layers[0].mlp
+    forward = mlp.forward
+    mlp.forward = lambda x: mlp_rows.append(x.shape[:-1].numel()) or forward(x)
+    attend_memory = joint_head._Attention.attend_memory
+
+    def spy(self, queries, memory, mask, memory_norm=None, prefixes_given=()):
+        prefixes.append([(len(prefix.records), prefix.memory.shape[0]) for prefix in prefixes_given])
+        return attend_memory(self, queries, memory, mask, memory_norm, prefixes_given)
+
+    joint_head._Attention.attend_memory = spy
+    try:
+        shared = logits_of(model, asked)
+    finally:
+        joint_head._Attention.attend_memory = attend_memory
+    records = [model.encode(request) for request in asked]
+    state_tokens = records[0].prefix_tokens + records[0].state_tokens
+    continuations = [record.token_count - state_tokens for record in records]
+    error = worst_relative(shared, expected)
+    print(f"8 question sets on one state vs each cold: fp32 {error:.1e}; continuations {continuations}, MLP rows {mlp_rows}")
+    assert error <= 1e-5 and decisions(shared) == decisions(expected)
+    assert len(set(continuations)) > 1 and mlp_rows == [state_tokens, sum(continuations)]  # no padding through the MLP
+    assert prefixes and all(each == [(8, state_tokens)] for each in prefixes)  # the state's rows, once for all 8
 
 
 def test_answer_many_runs_a_shared_state_once(requests):

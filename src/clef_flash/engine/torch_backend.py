@@ -101,13 +101,11 @@ class TorchBackend:
         clock = HeadClock(timings)
         lengths = [record.token_count for record in records]
         head_batch = build_head_batch(records, self.device)
-        builder = FeatureBuilder(self.parts.head, head_batch, lengths, self.device)
+        # records from one kept state share its memory rows (the head attends to them once for all)
+        builder = FeatureBuilder(self.parts.head, head_batch, lengths, self.device, [None if entry is None else entry.memory for entry in entries])
         starts = [0 if entry is None else entry.tokens for entry in entries]
         state = None
         if any(entry is not None for entry in entries):
-            for row, entry in enumerate(entries):
-                if entry is not None:
-                    builder.add_memory(row, entry.memory)
             state = DecoderState.stack([self._empty() if entry is None else entry.decoder for entry in entries])
 
         def read(hidden, rows, done, counts):

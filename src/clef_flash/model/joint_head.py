@@ -29,8 +29,11 @@ from torch import Tensor, nn
 from .head_batch import QUESTION_TYPE_COUNT, HeadBatch, segment_softmax
 from .precision import HEAD_DTYPE
 
-LOG_MAX_LOGIT_SCALE = math.log(100.0)
-MEMORY_CHUNK = 8192  # memory rows per step of the head's attention over a long record's memory  # the scales are exp(min(s, ln 100)), i.e. min(exp(s), 100)
+LOG_MAX_LOGIT_SCALE = math.log(100.0)  # the scales are exp(min(s, ln 100)), i.e. min(exp(s), 100)
+# The head's attention over a record's memory: up to ONE_CALL_ROWS rows, one SDPA call; longer (or with a
+# shared prefix), MEMORY_CHUNK rows at a time (its transient: ~3 x 4 x width bytes per row, 24 MB at 2,048).
+ONE_CALL_ROWS = 8192
+MEMORY_CHUNK = 2048
 
 # `lm_head.weight` [V, D], or a function gathering its rows for a LongTensor of ids (e.g. from a
 # memory-mapped 8-bit table): rows(ids [U]) -> [U, D].
@@ -92,15 +95,24 @@ class _Attention(nn.Module):
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # [B, h, L, w/h]
         return self.out_proj(out.transpose(1, 2).flatten(2))  # [B, L, w]
 
-    def attend_memory(self, queries: Tensor, memory: Tensor, mask: Tensor, memory_norm: nn.Module | None = None) -> Tensor:
+    def attend_memory(
+        self,
+        queries: Tensor,
+        memory: Tensor,
+        mask: Tensor,
+        memory_norm: nn.Module | None = None,
+        prefixes: Sequence[SharedMemory] = (),
+    ) -> Tensor:
         """queries [B, L, w] attend to memory [B, T, w] (after `memory_norm`, when given); mask [B, 1, 1, T].
+        With `prefixes`, the records of each one attend to its rows first, then to their own `memory`.
 
-        Up to MEMORY_CHUNK rows, one SDPA call. A longer memory goes chunk by chunk with a running
+        Up to ONE_CALL_ROWS rows and no prefixes, one SDPA call. Otherwise MEMORY_CHUNK rows at a time with a running
         log-sum-exp, so that the normed memory, keys and values of at most MEMORY_CHUNK rows exist at once
-        (a 64K-token record's would be ~1 GB per layer); the same softmax up to float rounding.
+        (a 64K-token record's would be ~1 GB per layer), and a prefix's keys and values are computed once
+        for all its records; the same softmax up to float rounding.
         """
         tokens = memory.shape[1]
-        if tokens <= MEMORY_CHUNK:
+        if tokens <= ONE_CALL_ROWS and not prefixes:
             keys, values = self.keys_values(memory if memory_norm is None else memory_norm(memory))
             return self.attend(queries, keys, values, mask)
         width = queries.shape[-1]
@@ -109,16 +121,25 @@ class _Attention(nn.Module):
         best = q.new_full((*q.shape[:-1], 1), float("-inf"))  # running max score [B, h, L, 1]
         total = q.new_zeros(best.shape)  # running sum of exp(score - best)
         out = torch.zeros_like(q)  # running sum of exp(score - best) * value [B, h, L, d]
+
+        def step(rows, part: Tensor, part_mask: Tensor | None) -> None:
+            """Records `rows` (a slice or indices) attend to memory `part` [b, c, w] (b: 1 or theirs)."""
+            keys, values = self.keys_values(part if memory_norm is None else memory_norm(part))  # [b, h, c, d]
+            scores = q[rows] @ keys.transpose(-1, -2)  # [n, h, L, c]
+            if part_mask is not None:
+                scores = scores.masked_fill(~part_mask, float("-inf"))
+            new_best = torch.maximum(best[rows], scores.amax(-1, keepdim=True))  # finite: every record has a real row
+            correction = (best[rows] - new_best).exp()
+            weights = (scores - new_best).exp()  # [n, h, L, c]
+            total[rows] = total[rows] * correction + weights.sum(-1, keepdim=True)
+            out[rows] = out[rows] * correction + weights @ values
+            best[rows] = new_best
+
+        for prefix in prefixes:  # first: then every record's first chunk of its own rows meets a finite max
+            for start in range(0, prefix.memory.shape[0], MEMORY_CHUNK):
+                step(prefix.records, prefix.memory[None, start : start + MEMORY_CHUNK], None)
         for start in range(0, tokens, MEMORY_CHUNK):
-            part = memory[:, start : start + MEMORY_CHUNK]
-            keys, values = self.keys_values(part if memory_norm is None else memory_norm(part))  # [B, h, c, d]
-            scores = (q @ keys.transpose(-1, -2)).masked_fill(~mask[..., start : start + MEMORY_CHUNK], float("-inf"))
-            new_best = torch.maximum(best, scores.amax(-1, keepdim=True))  # finite: chunk 0 has a real row
-            correction = (best - new_best).exp()
-            weights = (scores - new_best).exp()  # [B, h, L, c]
-            total = total * correction + weights.sum(-1, keepdim=True)
-            out = out * correction + weights @ values
-            best = new_best
+            step(slice(None), memory[:, start : start + MEMORY_CHUNK], mask[..., start : start + MEMORY_CHUNK])
         return self.out_proj((out / total).transpose(1, 2).flatten(2))  # [B, L, w]
 
     def self_attend(self, x: Tensor, mask: Tensor) -> Tensor:
@@ -159,9 +180,9 @@ class _EvidenceLayer(nn.Module):
         self.feedforward_norm = nn.LayerNorm(width)
         self.feedforward = _GeluMlp(width, feedforward, width)
 
-    def forward(self, options: Tensor, memory: Tensor, memory_mask: Tensor) -> Tensor:
+    def forward(self, options: Tensor, memory: Tensor, memory_mask: Tensor, prefixes: Sequence[SharedMemory] = ()) -> Tensor:
         """options [B, O, w]; memory [B, T, w]; memory_mask [B, 1, 1, T] -> [B, O, w]."""
-        options = options + self.attention.attend_memory(self.query_norm(options), memory, memory_mask, self.memory_norm)
+        options = options + self.attention.attend_memory(self.query_norm(options), memory, memory_mask, self.memory_norm, prefixes)
         return options + self.feedforward(self.feedforward_norm(options))
 
 
@@ -178,10 +199,12 @@ class _FieldLayer(nn.Module):
         self.norm2 = nn.LayerNorm(width)
         self.norm3 = nn.LayerNorm(width)
 
-    def forward(self, fields: Tensor, question_mask: Tensor, memory: Tensor, memory_mask: Tensor) -> Tensor:
+    def forward(
+        self, fields: Tensor, question_mask: Tensor, memory: Tensor, memory_mask: Tensor, prefixes: Sequence[SharedMemory] = ()
+    ) -> Tensor:
         """fields [B, Q, w]; question_mask [B, 1, 1, Q]; memory [B, T, w]; memory_mask [B, 1, 1, T]."""
         fields = fields + self.self_attn.self_attend(self.norm1(fields), question_mask)
-        fields = fields + self.multihead_attn.attend_memory(self.norm2(fields), memory, memory_mask)  # raw memory
+        fields = fields + self.multihead_attn.attend_memory(self.norm2(fields), memory, memory_mask, None, prefixes)  # raw memory
         return fields + self.linear2(F.gelu(self.linear1(self.norm3(fields))))
 
 
@@ -190,31 +213,61 @@ class _FieldLayer(nn.Module):
 
 
 @dataclass(frozen=True)
-class HeadFeatures:
-    """What the head reads from the decoder's hidden states."""
+class SharedMemory:
+    """The first memory rows [S, w] of several records (a kept state's), held and attended once for all."""
 
-    memory: Tensor  # [B, T, w], zero past each record's length
-    memory_mask: Tensor  # [B, T] bool, real tokens
+    records: Tensor  # [n] long, the records that start with these rows
+    memory: Tensor  # [S, w]
+
+
+@dataclass(frozen=True)
+class HeadFeatures:
+    """What the head reads from the decoder's hidden states. A record's memory is its shared prefix's rows
+    (if any) followed by its own rows in `memory`."""
+
+    memory: Tensor  # [B, T, w] each record's own rows, zero past them
+    memory_mask: Tensor  # [B, T] bool, real rows
     span_sums: Tensor  # [Nq + No, D], sums of Hn over each span
     last: Tensor  # [B, D], g = Hn at each record's last token
+    prefixes: tuple[SharedMemory, ...] = ()
 
 
 class FeatureBuilder:
     """Gathers `HeadFeatures` from a batch's hidden states piece by piece (SPEC §5 step 1, the span sums of
     step 2), so a record can run through the decoder in segments, or start from a kept state whose memory
-    rows are added as they are. Pieces come in token order; the memory [B, T, w] is allocated once.
+    rows (`prefixes[b]`, [S_b, w]) are not copied: records given the same tensor share it (SharedMemory),
+    and the head attends to it once for them all. Pieces come in token order; the records' own rows
+    [B, T, w] are allocated once.
     """
 
-    def __init__(self, head: JointHead, batch: HeadBatch, lengths: Sequence[int], device: torch.device):
+    def __init__(
+        self,
+        head: JointHead,
+        batch: HeadBatch,
+        lengths: Sequence[int],
+        device: torch.device,
+        prefixes: Sequence[Tensor | None] | None = None,
+    ):
         self.head, self.batch, self.lengths, self.device = head, batch, tuple(lengths), device
-        self.memory = torch.zeros(len(self.lengths), max(self.lengths), head.config.width, dtype=HEAD_DTYPE, device=device)
-        self.filled = [0] * len(self.lengths)  # memory rows written per record, in token order
+        prefixes = [None] * len(self.lengths) if prefixes is None else list(prefixes)
+        self.offsets = [0 if prefix is None else prefix.shape[0] for prefix in prefixes]  # rows before the own rows
+        groups: dict[int, tuple[Tensor, list[int]]] = {}
+        for record, prefix in enumerate(prefixes):
+            if prefix is not None and prefix.shape[0]:
+                groups.setdefault(id(prefix), (prefix, []))[1].append(record)
+        self.prefixes = tuple(
+            SharedMemory(torch.tensor(records, dtype=torch.long, device=device), prefix.to(device=device, dtype=HEAD_DTYPE))
+            for prefix, records in groups.values()
+        )
+        own = max(length - offset for length, offset in zip(self.lengths, self.offsets))
+        self.memory = torch.zeros(len(self.lengths), own, head.config.width, dtype=HEAD_DTYPE, device=device)
+        self.filled = list(self.offsets)  # memory rows per record so far, in token order
         self.span_sums = torch.zeros(len(batch.span_lengths), head.config.hidden_size, dtype=HEAD_DTYPE, device=device)
         self.last = torch.zeros(len(self.lengths), head.config.hidden_size, dtype=HEAD_DTYPE, device=device)
 
     def add_memory(self, record: int, rows: Tensor) -> None:
-        """Memory rows [n, w] of the record's next n tokens, read earlier (a kept state's)."""
-        start = self.filled[record]
+        """Memory rows [n, w] of the record's next n tokens."""
+        start = self.filled[record] - self.offsets[record]
         self.memory[record, start : start + rows.shape[0]] = rows
         self.filled[record] += rows.shape[0]
 
@@ -246,9 +299,9 @@ class FeatureBuilder:
     def features(self) -> HeadFeatures:
         if list(self.filled) != list(self.lengths):
             raise ValueError(f"memory rows {self.filled} for records of {list(self.lengths)} tokens")
-        lengths = torch.tensor(self.lengths, device=self.device)
-        memory_mask = torch.arange(self.memory.shape[1], device=self.device)[None, :] < lengths[:, None]  # [B, T]
-        return HeadFeatures(memory=self.memory, memory_mask=memory_mask, span_sums=self.span_sums, last=self.last)
+        own = torch.tensor([length - offset for length, offset in zip(self.lengths, self.offsets)], device=self.device)
+        memory_mask = torch.arange(self.memory.shape[1], device=self.device)[None, :] < own[:, None]  # [B, T]
+        return HeadFeatures(self.memory, memory_mask, self.span_sums, self.last, self.prefixes)
 
 
 class JointHead(nn.Module):
@@ -325,7 +378,7 @@ class JointHead(nn.Module):
         option_grid = routed.new_zeros(batch_size, batch.max_record_options, width)
         option_grid[batch.option_record, batch.option_record_slot] = routed  # [B, O, w]
         for layer in self.evidence_layers:
-            option_grid = layer(option_grid, memory, memory_mask)
+            option_grid = layer(option_grid, memory, memory_mask, features.prefixes)
         routed = option_grid[batch.option_record, batch.option_record_slot]  # [No, w]
 
         # 5. per-question routing summary
@@ -346,7 +399,7 @@ class JointHead(nn.Module):
         field_grid[batch.question_record, batch.question_slot] = fields  # [B, Q, w]
         question_mask = batch.question_mask[:, None, None, :]  # [B, 1, 1, Q]
         for layer in self.layers:
-            field_grid = layer(field_grid, question_mask, memory, memory_mask)
+            field_grid = layer(field_grid, question_mask, memory, memory_mask, features.prefixes)
         fields = self.field_norm(field_grid[batch.question_record, batch.question_slot])  # F [Nq, w]
 
         # 8. scores

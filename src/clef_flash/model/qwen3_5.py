@@ -13,7 +13,8 @@ Dtypes follow transformers (qwen35.md §3, §9) so a bf16 model matches HF's bf1
 embedding run in the model dtype, every norm and the delta rule in at least fp32 (`compute_dtype`: fp32, or
 float64 for a float64 model), cos/sin in at least fp32 then cast to the model dtype.
 
-Batches are right-padded: every layer is causal, so real positions never see the padding and no mask is needed.
+Batches are right-padded: every layer is causal, so real positions never see the padding and no mask is needed;
+the MLPs (most of a layer's work) run on the real tokens alone.
 Segmented prefill: `forward(..., state=previous, return_state=True)` continues a sequence from a `DecoderState`
 (conv tails, recurrent states, attention K/V) and equals one pass over the concatenation. Rows may differ in
 length, both in the state (`DecoderState.lengths`) and in the segment (`lengths`, right-padded): the pad steps
@@ -300,8 +301,7 @@ class GatedAttention(nn.Module):
             # comes after its real tokens, so causality keeps it away from them.
             past = rows.past[0]
             key, value, new_state = _grown(state, key, value, past, rows.reserve if return_state else 0)
-            mask = causal_lower_right(L, past + L) if past else None
-            out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=not past and L > 1, enable_gqa=True)
+            out = _attend_after(query, key, value, past)
             new_state = new_state if return_state else None
         else:
             out, new_state = self._attend_rows(query, key, value, rows, state, return_state)
@@ -317,16 +317,37 @@ class GatedAttention(nn.Module):
         for b, (past, count) in enumerate(zip(rows.past, rows.new)):
             row_key = torch.cat((state.key[b : b + 1, :, :past], key[b : b + 1, :, :count]), dim=2)
             row_value = torch.cat((state.value[b : b + 1, :, :past], value[b : b + 1, :, :count]), dim=2)
-            mask = causal_lower_right(count, past + count) if past else None
-            out[b : b + 1, :, :count] = F.scaled_dot_product_attention(
-                query[b : b + 1, :, :count], row_key, row_value, attn_mask=mask, is_causal=not past and count > 1, enable_gqa=True
-            )
+            out[b : b + 1, :, :count] = _attend_after(query[b : b + 1, :, :count], row_key, row_value, past)
             keys.append(row_key)
             values.append(row_value)
         if not return_state:
             return out, None
         longest = max(past + count for past, count in zip(rows.past, rows.new))
         return out, AttentionState(_cat_padded(keys, longest), _cat_padded(values, longest))
+
+
+# Elements of the causal mask SDPA materializes (as floats) for queries after a past: queries go in chunks
+# so that it stays within this (32 MB) whatever the past; one call for 2,048 queries after 64K keys would
+# materialize 0.5 GB. Each query's softmax is the same; the outputs are bitwise those of one call here.
+ATTENTION_MASK_ELEMENTS = 1 << 23
+
+
+def _attend_after(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, past: int) -> torch.Tensor:
+    """query [B, H, n, hd] at positions past..past+n-1; key, value [B, Hkv, past+n, hd] -> [B, H, n, hd]."""
+    n = query.shape[2]
+    if not past:
+        return F.scaled_dot_product_attention(query, key, value, is_causal=n > 1, enable_gqa=True)
+    chunk = max(1, ATTENTION_MASK_ELEMENTS // (past + n))
+    if chunk >= n:
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=causal_lower_right(n, past + n), enable_gqa=True)
+    out = query.new_empty(query.shape)
+    for start in range(0, n, chunk):
+        end = min(n, start + chunk)
+        out[:, :, start:end] = F.scaled_dot_product_attention(
+            query[:, :, start:end], key[:, :, : past + end], value[:, :, : past + end],
+            attn_mask=causal_lower_right(end - start, past + end), enable_gqa=True,
+        )
+    return out
 
 
 def _grown(state: AttentionState | None, key, value, past: int, reserve: int):
@@ -436,14 +457,19 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, rows: Rows, state=None, return_state=False):
+    def forward(self, x, cos, sin, rows: Rows, state=None, return_state=False, real: torch.Tensor | None = None):
+        """`real`: the flat positions [N] of the real tokens of a right-padded batch; the MLP runs on those
+        alone (a pad position's stream is never read by a real one: it keeps the mixer's output)."""
         h = self.input_layernorm(x)
         if self.layer_type == "linear_attention":
             h, new_state = self.linear_attn(h, rows, state, return_state)
         else:
             h, new_state = self.self_attn(h, cos, sin, rows, state, return_state)
         x = x + h
-        x = x + self.mlp(self.post_attention_layernorm(x))
+        if real is None:
+            return x + self.mlp(self.post_attention_layernorm(x)), new_state
+        flat = x.view(-1, x.shape[-1])
+        flat.index_add_(0, real, self.mlp(self.post_attention_layernorm(flat.index_select(0, real))))
         return x, new_state
 
 
@@ -527,9 +553,12 @@ class Qwen35Decoder(nn.Module):
         else:
             cos, sin = mrope_cos_sin(self.config, positions, x.dtype, x.device)
         layer_states = [None] * len(self.layers) if state is None else state.layers
+        real = None  # padded rows (continuations of different lengths): the MLPs skip the padding
+        if rows.padded:
+            real = (torch.arange(L, device=x.device) < torch.tensor(new, device=x.device)[:, None]).flatten().nonzero().squeeze(1)
         new_states = []
         for layer, layer_state in zip(self.layers, layer_states):
-            x, new_state = layer(x, cos, sin, rows, layer_state, return_state)
+            x, new_state = layer(x, cos, sin, rows, layer_state, return_state, real)
             new_states.append(new_state)
         x = self.norm(x)
         if return_state:
