@@ -887,7 +887,7 @@ COMMANDS = (
         command_tiny,
         (
             arg("dir", help="output directory"),
-            arg("--config", default="tiny", help="named random config: tiny, 9b-heads, 9b-heads-outliers, 9b-part, 9b (default tiny)"),
+            arg("--config", default="tiny", help="named random config: tiny, tiny-vision, 9b-heads, 9b-heads-outliers, 9b-part, 9b (default tiny)"),
             arg("--seed", type=int, default=0),
         ),
     ),
@@ -1035,7 +1035,7 @@ COMMANDS = (
         command_bench,
         (
             *MODEL_ARGUMENTS,
-            arg("--random", metavar="NAME", help="instead of --model: a random model built in memory (tiny, 9b-heads, 9b-heads-outliers, 9b-part, 9b)"),
+            arg("--random", metavar="NAME", help="instead of --model: a random model built in memory (tiny, tiny-vision, 9b-heads, 9b-heads-outliers, 9b-part, 9b)"),
             arg("--seed", type=int, default=0, help="seed of --random's weights and of generated requests"),
             *DEVICE_ARGUMENTS,
             arg(
