@@ -85,6 +85,11 @@ def test_probe_is_measured_once_and_cached(tmp_path, monkeypatch):
     machine.rates.cache_clear()
     here = machine.this_machine()
     try:
+        monkeypatch.setattr(machine.os, "getloadavg", lambda: (64.0, 64.0, 64.0))  # a busy machine: used, not kept
+        busy = machine.rates(here)
+        assert busy.fp32 > 0 and not machine.probe_path(here).exists()
+        machine.rates.cache_clear()
+        monkeypatch.setattr(machine.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
         first = machine.rates(here)
         assert machine.probe_path(here).is_file() and first.fp32 > 0 and first.bf16 > 0
         assert first.int8_kernel in W8A8_KERNELS and first.int8 > 0 and first.int8_kernel in first.kernels
