@@ -129,3 +129,12 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_dir, one_torch_thread):
+    """tiny in fp32 on one torch thread: what the server, MCP, sets and schema tests serve (a test file that
+    needs another model defines its own `model`)."""
+    import clef_flash
+
+    return clef_flash.load(tiny_dir, precision="fp32")

@@ -44,11 +44,6 @@ BAD_DECIDE = {"state": STATE, "questions": {"team": {"type": "choice", "criteria
 
 
 @pytest.fixture(scope="module")
-def model(tiny_dir, one_torch_thread):
-    return clef_flash.load(tiny_dir, precision="fp32")
-
-
-@pytest.fixture(scope="module")
 def sets_dir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("sets")
     SetStore(root).add("triage", TRIAGE)

@@ -10,23 +10,12 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("schemathesis")
 
-import clef_flash
 from clef_flash.server import create_app
 from clef_flash.testing.schema_fuzz import run_schemathesis
 from clef_flash.testing.server import running_server
 
 MAX_EXAMPLES = 100  # per operation and phase: about 380 cases, ~20 s on two busy cores (60 s budget)
 SEED = 30
-
-
-@pytest.fixture(scope="module")
-def model(tiny_dir):
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield clef_flash.load(tiny_dir, precision="fp32")
-    torch.set_num_threads(threads)
 
 
 def test_schemathesis_finds_nothing_in_the_published_schema(model, tmp_path):

@@ -24,7 +24,6 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import clef_flash
 from clef_flash.server import create_app
 from clef_flash.server.body import _zstd
 from clef_flash.request.samples import random_request
@@ -43,16 +42,6 @@ QUESTIONS = {
 
 def ticket(state: str = "My card was charged twice. Please refund me today.", **fields) -> dict:
     return {"model": "clef-flash", "state": state, "questions": QUESTIONS, **fields}
-
-
-@pytest.fixture(scope="module")
-def model(tiny_dir):
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # two busy cores: more intra-op threads only spin against each other
-    yield clef_flash.load(tiny_dir, precision="fp32")
-    torch.set_num_threads(threads)
 
 
 def wait_ready(client: TestClient) -> None:

@@ -20,19 +20,8 @@ pytest.importorskip("uvicorn")
 
 from test_server import Gate, async_serving, serving, ticket  # noqa: E402  (tests/ is on sys.path)
 
-import clef_flash  # noqa: E402
 from clef_flash.server import create_app  # noqa: E402
 from clef_flash.testing.server import server_thread  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def model(tiny_dir):
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield clef_flash.load(tiny_dir, precision="fp32")
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ import json
 
 import pytest
 
-import clef_flash
 from clef_flash import cli
 from clef_flash.errors import QuestionSetError, RequestInvalid
 from clef_flash.request.protocol import parse_request
@@ -134,11 +133,6 @@ def test_a_damaged_file_is_refused_with_its_path(sets_dir, capsys):
 
 
 # -- the same answer everywhere ------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def model(tiny_dir, one_torch_thread):
-    return clef_flash.load(tiny_dir, precision="fp32")
 
 
 def test_one_set_answers_the_same_through_cli_server_batch_and_mcp(model, tiny_dir, sets_dir, tmp_path, capsys):
