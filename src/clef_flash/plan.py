@@ -37,6 +37,7 @@ def decoder_parameters(checkpoint: Any) -> int | None:
 def resolve(checkpoint: Any, device: torch.device, requested: str | None) -> Plan:
     """The plan `checkpoint` (anything with `stored_int8`, `calibrated` and `where`) runs in on `device`:
     `requested`, else $CLEF_FLASH_PRECISION, else the fastest qualified path on this machine."""
+    choosing = requested is None and device.type == "cpu"  # only the default weighs sizes against memory
     try:
         precision = resolve_precision(
             requested,
@@ -44,8 +45,8 @@ def resolve(checkpoint: Any, device: torch.device, requested: str | None) -> Pla
             stored_int8=checkpoint.stored_int8,
             calibrated=checkpoint.calibrated,
             rates=machine_rates,
-            parameters=decoder_parameters(checkpoint),
-            memory_bytes=available_memory_bytes() if device.type == "cpu" else None,
+            parameters=decoder_parameters(checkpoint) if choosing else None,
+            memory_bytes=available_memory_bytes() if choosing else None,
         )
     except ValueError as exc:
         raise ClefError(f"{checkpoint.where} {exc}" if checkpoint.stored_int8 else str(exc)) from None
