@@ -245,13 +245,11 @@ def load_model(args: argparse.Namespace, **options: Any):
 
 def answer_truncating(model: Any, request: Any) -> dict[str, Any]:
     """`model.answer`, with the state's tail cut to fit the token limit (said on stderr)."""
-    from .clef import Prepared
     from .engine import Timings
 
     start = time.perf_counter()
     timings = Timings()
-    parsed = model.parse(request)
-    prepared = Prepared(parsed, model.encode(parsed, truncate_state=True))
+    prepared = model.prepare(request, truncate_state=True)  # the backend's checks too (a Core ML export's buckets)
     timings.tokenize_ms = (time.perf_counter() - start) * 1000
     (results,) = model.score([prepared.record], timings)
     timings.total_ms = (time.perf_counter() - start) * 1000
