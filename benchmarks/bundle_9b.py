@@ -1,13 +1,15 @@
 """The 8-bit bundle at real size: a random release with the full 9B shapes, converted, loaded and answering.
 
-    python benchmarks/bundle_9b.py [--dir runs] [--config 9b] [--precision default]
+    python benchmarks/bundle_9b.py [--dir runs] [--config 9b] [--precision default] [--answer-from bundle]
+    python benchmarks/bundle_9b.py --answer-from release    # the release itself, no conversion (issue 25)
 
 Writes `DIR/release-9b` (32 layers, hidden 4096, vocabulary 248,320: about 19 GB of bf16, generated, never
 committed) unless it is there, converts it to `DIR/bundle-9b` as `clef-flash convert` does (calibrated on
 the built-in requests) unless it is there, then in a fresh process loads the bundle and answers one
 ~370-token, 3-question record three times (the first reads the weights from disk and packs them for this
 CPU; the faster of the other two is the warm figure, both are printed). Each step runs in its own process, so each peak
-RSS is its own.
+RSS is its own. `--answer-from release` skips the conversion and answers from the release (what a user who
+never converts gets: with no precision, the default that fits this machine's memory).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ def main() -> None:
     parser.add_argument("--dir", default="runs", help="where the release and the bundle are written (gitignored)")
     parser.add_argument("--config", default="9b", help="random config name (9b; 9b-part for a quicker run)")
     parser.add_argument("--precision", default="default", help="default (this machine's), int8-weight-only or int8-w8a8")
+    parser.add_argument("--answer-from", choices=("bundle", "release"), default="bundle")
     args = parser.parse_args()
     base = Path(args.dir).resolve()
     release, bundle = base / f"release-{args.config}", base / f"bundle-{args.config}"
@@ -65,7 +68,7 @@ def main() -> None:
         )
         print(f"  written in {wall:.0f} s ({directory_gb(release):.1f} GB)", flush=True)
 
-    if not (bundle / "manifest.json").is_file():
+    if args.answer_from == "bundle" and not (bundle / "manifest.json").is_file():
         print(f"converting to {bundle} (calibrated) ...", flush=True)
         _, convert_s, convert_rss = run_step(
             f"""
@@ -78,6 +81,7 @@ def main() -> None:
         print(f"  {convert_s:.0f} s, peak RSS {convert_rss:.2f} GB, bundle {directory_gb(bundle):.2f} GB "
               f"(release {directory_gb(release):.2f} GB)", flush=True)
     precision = None if args.precision == "default" else args.precision
+    answered = bundle if args.answer_from == "bundle" else release
 
     answer, _, _ = run_step(
         f"""
@@ -86,7 +90,7 @@ def main() -> None:
         start = time.perf_counter()
         import clef_flash
         from common import typical_request
-        model = clef_flash.load({str(bundle)!r}, device="cpu", precision={precision!r})
+        model = clef_flash.load({str(answered)!r}, device="cpu", precision={precision!r})
         ready = time.perf_counter() - start
         request = typical_request()
         times = []
@@ -101,7 +105,7 @@ def main() -> None:
         """
     )
     print(
-        f"{answer['precision']} ({answer['why']}): load until ready {answer['ready_s']:.2f} s; "
+        f"{answered.name}: {answer['precision']} ({answer['why']}): load until ready {answer['ready_s']:.2f} s; "
         f"{answer['tokens']}-token record: first answer {answer['first_s']:.1f} s (weights read and packed), "
         f"warm {answer['warm_s']:.2f} s (runs {', '.join(f'{s:.2f}' for s in answer['warm_all_s'])}); "
         f"peak RSS {answer['own_peak_rss_gb']:.2f} GB"

@@ -14,7 +14,7 @@ embedding run in the model dtype, every norm and the delta rule in at least fp32
 float64 for a float64 model), cos/sin in at least fp32 then cast to the model dtype.
 
 Batches are right-padded: every layer is causal, so real positions never see the padding and no mask is needed;
-the MLPs (most of a layer's work) run on the real tokens alone.
+the projections and MLPs (most of a layer's work) run on the real tokens alone.
 Segmented prefill: `forward(..., state=previous, return_state=True)` continues a sequence from a `DecoderState`
 (conv tails, recurrent states, attention K/V) and equals one pass over the concatenation. Rows may differ in
 length, both in the state (`DecoderState.lengths`) and in the segment (`lengths`, right-padded): the pad steps
@@ -167,6 +167,16 @@ class Rows:
         return any(count != self.width for count in self.new)
 
 
+def project(linear: nn.Module, x: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
+    """linear(x) for x [B, L, I] -> [B, L, O]. With `real` (the flat positions [N] of the real tokens of a
+    right-padded batch) only those rows are multiplied and the padding reads 0: no real position reads it."""
+    if real is None:
+        return linear(x)
+    B, L, I = x.shape
+    rows = linear(x.reshape(B * L, I).index_select(0, real))  # [N, O]
+    return rows.new_zeros(B * L, rows.shape[-1]).index_copy_(0, real, rows).view(B, L, -1)
+
+
 # Norms -------------------------------------------------------------------------------------------------
 
 
@@ -287,13 +297,15 @@ class GatedAttention(nn.Module):
         rows: Rows,
         state: AttentionState | None = None,
         return_state: bool = False,
+        real: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, AttentionState | None]:
+        """`real`: the flat positions of a right-padded batch's real tokens (the projections skip the padding)."""
         B, L, _ = x.shape
         H, Hkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        query, gate = self.q_proj(x).view(B, L, H, 2, hd).unbind(3)  # [B, L, H, hd] each; rows [q_h | gate_h]
+        query, gate = project(self.q_proj, x, real).view(B, L, H, 2, hd).unbind(3)  # [B, L, H, hd] each; rows [q_h | gate_h]
         query = apply_rotary_(self.q_norm(query), cos, sin)  # q_norm makes a fresh tensor: rotate in place
-        key = apply_rotary_(self.k_norm(self.k_proj(x).view(B, L, Hkv, hd)), cos, sin)
-        value = self.v_proj(x).view(B, L, Hkv, hd)
+        key = apply_rotary_(self.k_norm(project(self.k_proj, x, real).view(B, L, Hkv, hd)), cos, sin)
+        value = project(self.v_proj, x, real).view(B, L, Hkv, hd)
         query, key, value = (t.transpose(1, 2) for t in (query, key, value))  # [B, heads, L, hd]
 
         if rows.same_past:
@@ -307,7 +319,7 @@ class GatedAttention(nn.Module):
             out, new_state = self._attend_rows(query, key, value, rows, state, return_state)
         out = out.transpose(1, 2).reshape(B, L, H * hd)  # [B, L, H*hd] head-major, like the gate
         out = out * torch.sigmoid(gate).reshape(B, L, H * hd)  # the sigmoid's output is fresh: a view
-        return self.o_proj(out), new_state
+        return project(self.o_proj, out, real), new_state
 
     @staticmethod
     def _attend_rows(query, key, value, rows: Rows, state: AttentionState, return_state: bool):
@@ -405,14 +417,20 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_a = nn.Linear(D, self.num_v_heads, bias=False)
 
     def forward(
-        self, x: torch.Tensor, rows: Rows, state: DeltaNetState | None = None, return_state: bool = False
+        self,
+        x: torch.Tensor,
+        rows: Rows,
+        state: DeltaNetState | None = None,
+        return_state: bool = False,
+        real: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, DeltaNetState | None]:
+        """`real`: the flat positions of a right-padded batch's real tokens (the projections skip the padding)."""
         B, L, _ = x.shape
         Hk, Hv, Dk, Dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
         work = compute_dtype(x.dtype)
         ends = rows.new if return_state and rows.padded else None  # where each row's conv tail is taken
         mixed, conv_tail = causal_conv1d_silu(
-            self.in_proj_qkv(x), self.conv1d.weight, None if state is None else state.conv, return_state, ends
+            project(self.in_proj_qkv, x, real), self.conv1d.weight, None if state is None else state.conv, return_state, ends
         )  # [B, L, conv_dim]
         query, key, value = mixed.split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
         # l2norm and the Dk^-0.5 query scale live here, on the Hk key heads (the kernel takes q, k as given).
@@ -427,10 +445,10 @@ class GatedDeltaNet(nn.Module):
         out, recurrent = gated_delta_rule(
             query, key, value, g, beta, initial_state=None if state is None else state.recurrent
         )  # out [B, L, Hv, Dv] model dtype
-        z = self.in_proj_z(x).view(B, L, Hv, Dv)
+        z = project(self.in_proj_z, x, real).view(B, L, Hv, Dv)
         out = self.norm(out, z).reshape(B, L, self.value_dim)
         new_state = DeltaNetState(conv_tail, recurrent) if return_state else None
-        return self.out_proj(out), new_state
+        return project(self.out_proj, out, real), new_state
 
 
 class MLP(nn.Module):
@@ -458,13 +476,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x, cos, sin, rows: Rows, state=None, return_state=False, real: torch.Tensor | None = None):
-        """`real`: the flat positions [N] of the real tokens of a right-padded batch; the MLP runs on those
-        alone (a pad position's stream is never read by a real one: it keeps the mixer's output)."""
+        """`real`: the flat positions [N] of the real tokens of a right-padded batch; the projections and the
+        MLP run on those alone (a pad position's stream is never read by a real one)."""
         h = self.input_layernorm(x)
         if self.layer_type == "linear_attention":
-            h, new_state = self.linear_attn(h, rows, state, return_state)
+            h, new_state = self.linear_attn(h, rows, state, return_state, real)
         else:
-            h, new_state = self.self_attn(h, cos, sin, rows, state, return_state)
+            h, new_state = self.self_attn(h, cos, sin, rows, state, return_state, real)
         x = x + h
         if real is None:
             return x + self.mlp(self.post_attention_layernorm(x)), new_state
