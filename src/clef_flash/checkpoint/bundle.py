@@ -85,8 +85,8 @@ def convert(
 ) -> Path:
     """Convert a release into an 8-bit bundle at `destination`, reading one tensor at a time.
 
-    `calibration` (outliers.calibrate on the release): each projection's outlier input channels are kept
-    in fp32 beside its int8 weight; `calibration_source` says in the manifest what it was computed on.
+    `calibration` (conversion.calibrate_layer_major on the release): each projection's outlier input channels
+    are kept in fp32 beside its int8 weight; `calibration_source` says in the manifest what it was computed on.
     """
     if precision != "int8":
         raise BundleError(f"unknown bundle precision {precision!r}: only int8 bundles exist")
