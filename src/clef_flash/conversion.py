@@ -19,17 +19,23 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 from torch import nn
 
 from .checkpoint import bundle
-from .checkpoint.names import DECODER_PREFIX
+from .checkpoint.names import DECODER_PREFIX, EMBEDDING
 from .checkpoint.outliers import Calibration
 from .errors import ClefError, images_unsupported
 from .model.precision import is_quantized
 from .prefill import DEFAULT_SEGMENT_TOKENS
+
+if TYPE_CHECKING:
+    from .checkpoint import Checkpoint
+    from .model.precision import Plan, Precision
+    from .model.qwen3_5 import LayerInputs, Qwen35Decoder
+    from .request.records import EncodedRecord
 
 BUILT_IN = "built-in"
 DEFAULT_CALIBRATION_REQUESTS = 16
@@ -48,7 +54,7 @@ def convert(
     calibration, described = None, None
     if calibrate is not None:
         requests, described = _calibration_requests(calibrate)
-        calibration = _calibrate(source, revision, requests)
+        calibration = _calibrate(source, revision, requests, progress=progress)
     return bundle.convert(
         source,
         destination,
@@ -74,7 +80,7 @@ def _calibration_requests(calibrate: str | os.PathLike[str] | Sequence[Any]) -> 
     return list(calibrate), f"{len(calibrate)} requests given"
 
 
-def _calibrate(source, revision, requests: Sequence[Any]) -> Calibration:
+def _calibrate(source, revision, requests: Sequence[Any], *, progress: bool = False) -> Calibration:
     from .checkpoint import open_checkpoint
     from .checkpoint.safetensors_io import mapped_files
     from .checkpoint.sources import open_release
@@ -93,7 +99,7 @@ def _calibrate(source, revision, requests: Sequence[Any]) -> Calibration:
         encode_record(checkpoint.tokenizer, parse_request(request), image_processor=checkpoint.image_processor)
         for request in requests
     ]
-    return calibrate_layer_major(checkpoint, records, plan=fastest_dense(torch.device("cpu")))
+    return calibrate_layer_major(checkpoint, records, plan=fastest_dense(torch.device("cpu")), progress=progress)
 
 
 def default_calibration_requests(count: int = DEFAULT_CALIBRATION_REQUESTS) -> list[dict[str, Any]]:
@@ -109,12 +115,13 @@ ACTIVATION_BUDGET = 1 << 30
 
 @torch.inference_mode()
 def calibrate_layer_major(
-    checkpoint: Any,
-    records: Sequence[Any],
+    checkpoint: Checkpoint,
+    records: Sequence[EncodedRecord],
     *,
-    plan: Any,
+    plan: Plan,
     budget_bytes: int = ACTIVATION_BUDGET,
     segment_tokens: int = DEFAULT_SEGMENT_TOKENS,
+    progress: bool = False,
 ) -> Calibration:
     """Record max|x| per input channel at each quantized projection over `records` (encoded), layer by layer.
 
@@ -123,12 +130,16 @@ def calibrate_layer_major(
     `checkpoint` in `plan`'s precision, every record of the group runs through it as the model would run it
     alone (in steps of `segment_tokens`, continuing the layer's state), and the layer is freed. A bigger
     set than one group holds takes one more pass over the weights per group. Memory: one layer's weights,
-    the group's hidden states, one step's intermediates. Equal to `calibrate` on the model loaded whole in
+    the group's hidden states, one step's intermediates (a group with images builds the vision tower first
+    and frees it before the layers run). Equal to `calibrate` on the model loaded whole in
     the same precision (same arithmetic: the same layer calls on the same inputs).
     """
     from .checkpoint.loading import LayerWindow, checked_decoder_names, meta_modules, text_config_of
+    from .console import ProgressBar
     from .model.qwen3_5 import Qwen35Decoder
 
+    if plan.precision.quantized:
+        raise ValueError(f"calibration runs at 16 or 32 bits, not {plan.name}")
     config = text_config_of(checkpoint)
     with meta_modules():
         decoder = Qwen35Decoder(config)
@@ -138,17 +149,20 @@ def calibrate_layer_major(
     hooks = [hook for index, layer in enumerate(decoder.layers) for hook in absmax_hooks(layer, f"layers.{index}.", absmax)]
     window = LayerWindow(1, checkpoint.tensors, dtype_of=precision.dtype_of, device=device)
     bytes_per_token = (config.hidden_size + config.rotary_dim) * precision.compute_dtype.itemsize  # hidden, cos/sin
+    groups = activation_groups([record.token_count for record in records], bytes_per_token, budget_bytes)
     try:
-        for group in activation_groups([record.token_count for record in records], bytes_per_token, budget_bytes):
-            steps = list(_record_steps(checkpoint, decoder, [records[index] for index in group], precision, device, segment_tokens))
-            for index, layer in enumerate(decoder.layers):
-                window.enter(f"{DECODER_PREFIX}layers.{index}.", layer)
-                for record_steps in steps:
-                    state = None
-                    for number, step in enumerate(record_steps):
-                        state = step.run(layer, state, return_state=number + 1 < len(record_steps))
-            window.clear()
-            del steps
+        with ProgressBar(len(groups) * len(decoder.layers), "calibrating", unit="layers", enabled=progress) as meter:
+            for group in groups:
+                steps = list(_record_steps(checkpoint, decoder, [records[index] for index in group], precision, device, segment_tokens))
+                for index, layer in enumerate(decoder.layers):
+                    window.enter(f"{DECODER_PREFIX}layers.{index}.", layer)
+                    for record_steps in steps:
+                        state = None
+                        for number, step in enumerate(record_steps):
+                            state = step.run(layer, state, return_state=number + 1 < len(record_steps))
+                    meter.advance(1)
+                window.clear()
+                del steps
     finally:
         window.clear()
         for hook in hooks:
@@ -171,7 +185,14 @@ def activation_groups(token_counts: Sequence[int], bytes_per_token: int, budget_
     return groups
 
 
-def _record_steps(checkpoint, decoder, records, precision, device, segment: int) -> Iterator[list[Any]]:
+def _record_steps(
+    checkpoint: Checkpoint,
+    decoder: Qwen35Decoder,
+    records: Sequence[EncodedRecord],
+    precision: Precision,
+    device: torch.device,
+    segment: int,
+) -> Iterator[list[LayerInputs]]:
     """Each record's steps as the model runs it alone (prefill.run_segments for one row): the layers' inputs
     of every `segment` tokens. The embedding table gives only the rows of these records' tokens (the
     decoder's `embed_tokens` becomes that compact table, ids renumbered); the vision tower is built only
@@ -180,10 +201,9 @@ def _record_steps(checkpoint, decoder, records, precision, device, segment: int)
     from .checkpoint.safetensors_io import release_pages
     from .prefill import media_inputs, row_media
 
-    name = "embed_tokens.weight"
     tokens = torch.tensor(sorted({token for record in records for token in record.input_ids}), dtype=torch.long)
-    table = checkpoint.tensors.get(DECODER_PREFIX + name)  # [V, D], a view of the file where memory-mapped
-    rows = table.index_select(0, tokens).to(device=device, dtype=precision.dtype_of(name, table.dtype))  # [n, D]
+    table = checkpoint.tensors.get(DECODER_PREFIX + EMBEDDING)  # [V, D], a view of the file where memory-mapped
+    rows = table.index_select(0, tokens).to(device=device, dtype=precision.dtype_of(EMBEDDING, table.dtype))  # [n, D]
     release_pages(table)
     decoder.embed_tokens = nn.Embedding.from_pretrained(rows)
     vision = None
