@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import io
+import itertools
 import json
 
 import numpy as np
@@ -28,6 +29,7 @@ from clef_flash.conversion import (
     calibrate_layer_major,
     default_calibration_requests,
 )
+from clef_flash.errors import BundleError
 from clef_flash.model.precision import PRECISIONS, Plan
 from clef_flash.plan import fastest_dense
 from clef_flash.prefill import DEFAULT_SEGMENT_TOKENS
@@ -142,7 +144,7 @@ def test_activation_groups_respect_the_budget():
     assert [index for group in groups for index in group] == list(range(len(tokens)))  # all, in order, once
     for group in groups:
         assert sum(tokens[index] for index in group) * bytes_per_token <= budget or group == [17]
-    for group, after in zip(groups, groups[1:]):  # greedy: the next record would not have fitted
+    for group, after in itertools.pairwise(groups):  # greedy: the next record would not have fitted
         assert sum(tokens[index] for index in group + after[:1]) * bytes_per_token > budget
     assert activation_groups([], bytes_per_token, budget) == []
 
@@ -161,3 +163,15 @@ def test_convert_calibrates_as_the_twin_did(tiny_dir, tmp_path):
     ours = layer_major(tiny_dir, requests, fastest_dense(CPU).name, segment_tokens=DEFAULT_SEGMENT_TOKENS)
     lowered = {name: indices.tolist() for name, indices in find_outliers(ours, threshold=2.0).items()}
     assert lowered == {name: indices.tolist() for name, indices in find_outliers(reference, threshold=2.0).items()} != {}
+
+
+def test_an_existing_destination_or_a_bundle_is_refused_before_calibrating(tiny_dir, tmp_path, monkeypatch):
+    from clef_flash import conversion
+
+    monkeypatch.setattr(conversion, "_calibrate", lambda *args, **kwargs: pytest.fail("calibrated first"))
+    (tmp_path / "taken").mkdir()
+    with pytest.raises(BundleError, match="exists: remove it or pass --overwrite"):
+        conversion.convert(tiny_dir, tmp_path / "taken")
+    made = conversion.convert(tiny_dir, tmp_path / "bundle", calibrate=None, progress=False)
+    with pytest.raises(BundleError, match="already a bundle"):
+        conversion.convert(made, tmp_path / "again")

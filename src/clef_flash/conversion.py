@@ -51,6 +51,7 @@ def convert(
     progress: bool = True,
 ) -> Path:
     """Convert `source` to a bundle at `destination`; `calibrate`: "built-in", a JSONL path, requests, or None."""
+    bundle.check_conversion(source, destination, revision=revision, overwrite=overwrite)
     calibration, described = None, None
     if calibrate is not None:
         requests, described = _calibration_requests(calibrate)
