@@ -1,11 +1,12 @@
 """The plan: how a checkpoint runs on this machine, decided once and read by everything after.
 
     resolve(checkpoint, device, requested) -> Plan   (the Plan itself: model/precision.py)
+    fastest_dense(device) -> Plan                    16/32 bits, for calibration (conversion.py)
 
 A `Plan` is the precision (name, compute dtype, int8 mode: model/precision.py), the W8A8 kernel and the
 dtype of W8A8's weight-only projections (from the machine's probe: machine.py), the device, the backend,
-and the reason. `resolve` is the only caller of the probe; `build_model`, the CLI, conversion, Ray's engine
-spec, the Core ML export and the state cache's key take the plan. A new precision is a row of
+and the reason. `resolve` and `fastest_dense` are the only callers of the probe; `build_model`, the CLI,
+conversion, Ray's engine spec, the Core ML export and the state cache's key take the plan. A new precision is a row of
 `model.precision.PRECISIONS`; a new kernel is an entry of `checkpoint.w8a8.W8A8_KERNELS` (the probe times
 and qualifies it); a new backend is a `backend` name here and a class in engine/.
 """
@@ -21,9 +22,9 @@ from .checkpoint.names import LM_HEAD
 from .errors import ClefError
 from .machine import available_memory_bytes
 from .machine import rates as machine_rates
-from .model.precision import COREML, COREML_PRECISION, W8A8, Plan, dense_dtype_for, is_scale, resolve_precision, w8a8_kernel
+from .model.precision import COREML, COREML_PRECISION, W8A8, Plan, choose_precision, dense_dtype_for, is_scale, resolve_precision, w8a8_kernel
 
-__all__ = ["Plan", "coreml_plan", "resolve"]
+__all__ = ["Plan", "coreml_plan", "fastest_dense", "resolve"]
 
 
 def decoder_parameters(checkpoint: Any) -> int | None:
@@ -58,6 +59,15 @@ def resolve(checkpoint: Any, device: torch.device, requested: str | None) -> Pla
     except ValueError as exc:
         raise ClefError(str(exc)) from None
     return Plan(precision, device, kernel=kernel, dense_dtype=dense_dtype_for(measured))
+
+
+def fastest_dense(device: torch.device) -> Plan:
+    """The fastest 16/32-bit plan a release has on `device` whatever its size (the probe's choice between
+    fp32 and bf16; $CLEF_FLASH_PRECISION aside): conversion's calibration, which holds one layer at a time."""
+    precision = choose_precision(device, stored_int8=False, calibrated=False, rates=machine_rates)
+    if precision.quantized:  # int8 weight-only is never faster than the fp32 it dequantizes to
+        raise ClefError(f"no 16/32-bit precision is the fastest here ({precision.reason})")
+    return Plan(precision.on(device), device)
 
 
 def coreml_plan(runner: str) -> Plan:

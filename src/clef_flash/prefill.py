@@ -12,9 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .model.qwen3_5 import DecoderState, Qwen35Decoder
+from .model.vision import rope_positions
+from .request.records import RecordMedia
 
 # Tokens per decoder step of one row. Matmuls are as fast per token from ~1K tokens on (measured on the
 # 9b-part, README); 2,048 keeps a step's activations near 0.2 GB per row at the 9B's width.
@@ -73,7 +76,7 @@ def run_segments(
             input_ids[row, :count] = torch.tensor(rows[index][done[index] : done[index] + count], dtype=torch.long)
         inputs = {}
         if media is not None and any(media[index] is not None for index in active):
-            inputs = _media_inputs(decoder, input_ids.to(device), [media[index] for index in active], [past_of[index] + done[index] for index in active], counts)
+            inputs = media_inputs(decoder, input_ids.to(device), [media[index] for index in active], [past_of[index] + done[index] for index in active], counts)
         output = decoder(input_ids.to(device), counts, state=state, return_state=return_state, reserve=reserve, **inputs)
         hidden, state = output if return_state else (output, None)
         on_segment(hidden, active, [done[index] for index in active], counts)
@@ -91,7 +94,42 @@ def run_segments(
     return kept if keep_states else None  # type: ignore[return-value]
 
 
-def _media_inputs(
+def row_media(
+    vision: torch.nn.Module,
+    rows: Sequence[Sequence[int]],
+    media: Sequence[RecordMedia | None],
+    continuing: Sequence[bool],
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[RowMedia | None] | None:
+    """Per row: its 3-D positions (over the whole record) and, for a row run from its start, its image
+    features in `dtype`. The vision tower runs once over every image of those rows (attention stays within
+    each image); a row continuing a kept state has its images behind it (they precede the state)."""
+    if all(item is None for item in media):
+        return None
+    fresh = [item for item, going_on in zip(media, continuing) if item is not None and not going_on]
+    per_record = iter(())
+    if fresh:
+        pixels = torch.from_numpy(np.concatenate([item.pixel_values for item in fresh]))
+        grids = [grid for item in fresh for grid in item.grids]
+        features = vision(pixels.to(device), grids).to(dtype)  # [pads, D]
+        per_record = iter(features.split([item.tokens for item in fresh]))
+    out: list[RowMedia | None] = []
+    for ids, item, going_on in zip(rows, media, continuing):
+        if item is None:
+            out.append(None)
+            continue
+        positions = rope_positions(ids, item.grids, {item.pad_id}, item.merge)
+        if going_on:
+            out.append(RowMedia(torch.empty(0), torch.empty(0, dtype=torch.long), positions))
+        else:
+            pads = (torch.tensor(ids) == item.pad_id).nonzero().flatten()
+            out.append(RowMedia(next(per_record), pads, positions))
+    return out
+
+
+def media_inputs(
     decoder: Qwen35Decoder, input_ids: torch.Tensor, media: Sequence[RowMedia | None], starts: Sequence[int], counts: Sequence[int]
 ) -> dict[str, torch.Tensor]:
     """The step's embeddings with image features scattered in, and its 3-D positions [3, B, L]."""

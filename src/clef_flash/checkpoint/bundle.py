@@ -85,17 +85,13 @@ def convert(
 ) -> Path:
     """Convert a release into an 8-bit bundle at `destination`, reading one tensor at a time.
 
-    `calibration` (outliers.calibrate on the release): each projection's outlier input channels are kept
-    in fp32 beside its int8 weight; `calibration_source` says in the manifest what it was computed on.
+    `calibration` (conversion.calibrate_layer_major on the release): each projection's outlier input channels
+    are kept in fp32 beside its int8 weight; `calibration_source` says in the manifest what it was computed on.
     """
     if precision != "int8":
         raise BundleError(f"unknown bundle precision {precision!r}: only int8 bundles exist")
-    root = resolve_source(source, revision=revision)
-    if is_bundle(root):
-        raise BundleError(f"{root} is already a bundle: convert the release it came from")
+    root = check_conversion(source, destination, revision=revision, overwrite=overwrite)
     destination = Path(destination)
-    if destination.exists() and not overwrite:
-        raise BundleError(f"{destination} exists: remove it or pass --overwrite")
     # Read once, in order (no memory map); its projections as the int8 bundle will store them.
     release = open_release(root, source=str(source), files=StreamedSafetensors)
     outliers = find_outliers(calibration) if calibration is not None else {}
@@ -177,6 +173,19 @@ def convert(
         }
         write_json_durably(staging / MANIFEST, manifest)  # last: its presence marks a complete bundle
     return destination
+
+
+def check_conversion(
+    source: str | os.PathLike[str], destination: str | os.PathLike[str], *, revision: str | None = None, overwrite: bool = False
+) -> Path:
+    """The release directory `source` names, once it is known not to be a bundle and `destination` to be free
+    (or `overwrite`): checked before any work (calibration) is done."""
+    root = resolve_source(source, revision=revision)
+    if is_bundle(root):
+        raise BundleError(f"{root} is already a bundle: convert the release it came from")
+    if Path(destination).exists() and not overwrite:
+        raise BundleError(f"{destination} exists: remove it or pass --overwrite")
+    return root
 
 
 def _part_dtypes(plans: dict[str, list[PlannedTensor]]) -> dict[str, torch.dtype]:

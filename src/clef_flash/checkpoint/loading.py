@@ -23,9 +23,10 @@ from ..errors import WeightsError
 from .names import DECODER_PREFIX, IGNORED_PREFIXES, LM_HEAD, VISION_PREFIX, outlier_counts
 from .quant import QuantizingSource, replace_linears
 from .w8a8 import INT_MM
-from .safetensors_io import TensorSource
+from .safetensors_io import TensorSource, release_pages
 
 if TYPE_CHECKING:
+    from ..model.config import TextConfig
     from ..model.precision import Plan
     from .sources import Checkpoint
 
@@ -99,9 +100,24 @@ def fill_module(
     device: torch.device,
     strict: bool = True,
 ) -> None:
-    """Assign tensors (name relative to `module`) into a meta-device module, each converted on its own."""
-    state = {name: tensor.to(device=device, dtype=dtype_of(name, tensor.dtype)) for name, tensor in tensors}
+    """Assign tensors (name relative to `module`) into a meta-device module, each converted on its own.
+
+    A tensor converted to a copy gives its file pages back as it goes (memory-mapped sources: they would
+    stay resident beside the copy); one held as it is stays a view of its file until `empty_module`."""
+    state = {}
+    for name, tensor in tensors:
+        state[name] = tensor.to(device=device, dtype=dtype_of(name, tensor.dtype))
+        if state[name] is not tensor:
+            release_pages(tensor)
     module.load_state_dict(state, strict=strict, assign=True)
+
+
+def empty_module(module: nn.Module) -> None:
+    """Free a filled module's weights (back to the meta device), giving back the file pages of those that
+    view a memory map."""
+    for tensor in module.state_dict().values():
+        release_pages(tensor)
+    module.to_empty(device="meta")
 
 
 class LayerWindow:
@@ -122,7 +138,7 @@ class LayerWindow:
             self.resident.move_to_end(prefix)
             return
         while len(self.resident) >= self.size:
-            self.resident.popitem(last=False)[1].to_empty(device="meta")  # frees the weights
+            empty_module(self.resident.popitem(last=False)[1])
         relative = prefix.removeprefix(DECODER_PREFIX)
         fill_module(
             layer,
@@ -132,6 +148,11 @@ class LayerWindow:
         )
         self.resident[prefix] = layer
         self.most_resident = max(self.most_resident, len(self.resident))
+
+    def clear(self) -> None:
+        """Free every resident layer's weights."""
+        while self.resident:
+            empty_module(self.resident.popitem(last=False)[1])
 
 
 class StreamedLayer(nn.Module):
@@ -168,13 +189,12 @@ def build_model(checkpoint: Checkpoint, plan: Plan, *, resident_layers: int | No
     weight-only projections, the device.
     """
     precision, device = plan.precision, plan.device
-    from ..model.config import TextConfig
     from ..model.joint_head import HeadConfig, JointHead
     from ..model.qwen3_5 import Qwen35Decoder
 
     where = checkpoint.where
+    text_config = text_config_of(checkpoint)
     try:
-        text_config = TextConfig.from_release_config(checkpoint.config)
         head_config = HeadConfig.from_dict(checkpoint.head_config)
     except (KeyError, TypeError, ValueError) as exc:
         raise ModelSourceError(f"{where}: unsupported or malformed config: {exc}") from exc
@@ -192,12 +212,7 @@ def build_model(checkpoint: Checkpoint, plan: Plan, *, resident_layers: int | No
     if precision.quantized:
         replace_linears(decoder, precision.int8_mode, outliers=outlier_counts(tensors), kernel=plan.kernel or INT_MM, dense_dtype=plan.dense_dtype)
         decoder.activation_dtype = precision.compute_dtype
-    expected = module_shapes(decoder, DECODER_PREFIX)
-    expected[LM_HEAD] = (text_config.vocab_size, text_config.hidden_size)
-    available = {name: tensors.shape(name) for name in tensors.keys()}
-    check_keys(expected, available).raise_if_any(f"{where} ({checkpoint.decoder_files})")
-
-    names = [name[len(DECODER_PREFIX) :] for name in expected if name != LM_HEAD]
+    names = checked_decoder_names(checkpoint, tensors, decoder)
     if resident_layers:
         window = LayerWindow(resident_layers, tensors, dtype_of=precision.dtype_of, device=device)
         for index, layer in enumerate(decoder.layers):
@@ -224,6 +239,27 @@ def build_model(checkpoint: Checkpoint, plan: Plan, *, resident_layers: int | No
     )
     vision = build_vision(checkpoint, checkpoint.tensors, precision=precision, device=device)
     return ModelParts(decoder=decoder.eval(), head=head.eval(), lm_head=lm_head, vision=vision)
+
+
+def text_config_of(checkpoint: Checkpoint) -> TextConfig:
+    """The decoder's config, read from the checkpoint's config.json (a clear error when it is not one we run)."""
+    from ..model.config import TextConfig
+
+    try:
+        return TextConfig.from_release_config(checkpoint.config)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ModelSourceError(f"{checkpoint.where}: unsupported or malformed config: {exc}") from exc
+
+
+def checked_decoder_names(checkpoint: Checkpoint, tensors: TensorSource, decoder: nn.Module) -> list[str]:
+    """The names (relative to the decoder) of the tensors `decoder` is filled with, after checking every name
+    and shape `tensors` holds against it and the output embeddings (strict; no data read)."""
+    config = decoder.config
+    expected = module_shapes(decoder, DECODER_PREFIX)
+    expected[LM_HEAD] = (config.vocab_size, config.hidden_size)
+    available = {name: tensors.shape(name) for name in tensors.keys()}
+    check_keys(expected, available).raise_if_any(f"{checkpoint.where} ({checkpoint.decoder_files})")
+    return [name[len(DECODER_PREFIX) :] for name in expected if name != LM_HEAD]
 
 
 def build_vision(checkpoint: Checkpoint, tensors: TensorSource, *, precision, device: torch.device) -> nn.Module | None:

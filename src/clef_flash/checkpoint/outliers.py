@@ -11,8 +11,8 @@ Measured against SmoothQuant's migration (alpha 0.5, which moves half the range 
 on the outlier-injected release it still flipped 6 of 75 decisions where the reference's bf16 flips
 none; the decomposition is what the default W8A8 path uses (README "Numbers").
 
-`max|X_j|` comes from a calibration run (conversion.py's `calibrate`): the release at 16 or 32 bits on a
-set of requests (a built-in one, or the user's), a forward hook on every quantized projection.
+`max|X_j|` comes from a calibration run (conversion.py's `calibrate_layer_major`): the release at 16 or 32 bits,
+layer by layer, on a set of requests (a built-in one, or the user's), a forward hook on every quantized projection.
 """
 
 from __future__ import annotations

@@ -293,6 +293,12 @@ class MergedSources:
         return self._sources[name].get(name)
 
 
+def mapped_files(files: Iterable[Path]) -> MergedSources:
+    """Safetensors files as one source whose tensors are views of memory maps: a few rows of a large table
+    read only their pages, and `release_pages` gives back what was read."""
+    return MergedSources(MappedSafetensors(path) for path in files)
+
+
 class ShapesOnly:
     """A source's names, shapes and dtypes as meta tensors: a model can be checked against it, no data read."""
 

@@ -13,7 +13,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..checkpoint import Checkpoint, ModelParts, build_model
@@ -22,8 +21,7 @@ from ..model.head_batch import build_head_batch, softmax_per_question, split_log
 from ..model.joint_head import FeatureBuilder
 from ..model.qwen3_5 import DecoderState
 from ..plan import Plan
-from ..model.vision import rope_positions
-from ..prefill import DEFAULT_SEGMENT_TOKENS, RowMedia, run_segments
+from ..prefill import DEFAULT_SEGMENT_TOKENS, RowMedia, row_media, run_segments
 from ..request.records import EncodedRecord, RecordMedia
 from ..state_cache import CachedState
 from .backend import HeadClock, QuestionResult, Timings
@@ -141,30 +139,7 @@ class TorchBackend:
     def _media(
         self, rows: Sequence[Sequence[int]], media: Sequence[RecordMedia | None], continuing: Sequence[bool]
     ) -> list[RowMedia | None] | None:
-        """Per row: its 3-D positions (over the whole record) and, for a row run from its start, its image
-        features. The vision tower runs once over every image of those rows (attention stays within each
-        image); a row continuing a kept state has its images behind it (they precede the state)."""
-        if all(item is None for item in media):
-            return None
-        fresh = [item for item, going_on in zip(media, continuing) if item is not None and not going_on]
-        per_record = iter(())
-        if fresh:
-            pixels = torch.from_numpy(np.concatenate([item.pixel_values for item in fresh]))
-            grids = [grid for item in fresh for grid in item.grids]
-            features = self.parts.vision(pixels.to(self.device), grids).to(self.parts.decoder.dtype)  # [pads, D]
-            per_record = iter(features.split([item.tokens for item in fresh]))
-        out: list[RowMedia | None] = []
-        for ids, item, going_on in zip(rows, media, continuing):
-            if item is None:
-                out.append(None)
-                continue
-            positions = rope_positions(ids, item.grids, {item.pad_id}, item.merge)
-            if going_on:
-                out.append(RowMedia(torch.empty(0), torch.empty(0, dtype=torch.long), positions))
-            else:
-                pads = (torch.tensor(ids) == item.pad_id).nonzero().flatten()
-                out.append(RowMedia(next(per_record), pads, positions))
-        return out
+        return row_media(self.parts.vision, rows, media, continuing, dtype=self.parts.decoder.dtype, device=self.device)
 
     def _empty(self) -> DecoderState:
         if self._empty_state is None:

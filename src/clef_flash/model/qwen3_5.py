@@ -37,7 +37,7 @@ from .config import TextConfig
 from .ops.gated_delta_rule import causal_conv1d_silu, gated_delta_rule, l2norm
 from .precision import compute_dtype
 
-__all__ = ["AttentionState", "DecoderState", "DeltaNetState", "Qwen35Decoder"]
+__all__ = ["AttentionState", "DecoderState", "DeltaNetState", "LayerInputs", "Qwen35Decoder"]
 
 
 # State carried between segments --------------------------------------------------------------------
@@ -494,6 +494,24 @@ class DecoderLayer(nn.Module):
 # The decoder -----------------------------------------------------------------------------------------------
 
 
+@dataclass
+class LayerInputs:
+    """One step's input to the layers: `hidden` goes in to the first and comes out of each; the rest every
+    layer reads as it is."""
+
+    hidden: torch.Tensor  # [B, L, D] the embeddings (image features scattered in), the model dtype
+    cos: torch.Tensor  # [L, rd/2], or [B, L, rd/2] (rows with different pasts, M-RoPE)
+    sin: torch.Tensor
+    rows: Rows
+    real: torch.Tensor | None  # [N] flat positions of the real tokens of a padded batch; None: no padding
+
+    def run(self, layer: DecoderLayer, state: LayerState | None = None, return_state: bool = False) -> LayerState | None:
+        """`layer` on this step, continuing its `state`: `hidden` becomes its output; its new state is returned
+        (None unless `return_state`)."""
+        self.hidden, new_state = layer(self.hidden, self.cos, self.sin, self.rows, state, return_state, self.real)
+        return new_state
+
+
 class Qwen35Decoder(nn.Module):
     """Token ids -> last_hidden_state (after the final norm), as `Qwen3_5TextModel`."""
 
@@ -559,26 +577,41 @@ class Qwen35Decoder(nn.Module):
         scattered into the pad positions). Without a state, and when no state is
         returned, `lengths` changes nothing: causality already keeps padding away from real positions.
         """
+        if state is not None and len(state.lengths) != input_ids.shape[0]:
+            raise ValueError(f"a state of {len(state.lengths)} rows continued by {input_ids.shape[0]} rows")
+        past = None if state is None else tuple(state.lengths)
+        step = self.inputs(input_ids, lengths, past=past, reserve=reserve, embeds=embeds, positions=positions)
+        layer_states = [None] * len(self.layers) if state is None else state.layers
+        new_states = [step.run(layer, layer_state, return_state) for layer, layer_state in zip(self.layers, layer_states)]
+        x = self.norm(step.hidden)
+        if return_state:
+            rows = step.rows
+            return x, DecoderState(tuple(p + n for p, n in zip(rows.past, rows.new)), new_states)
+        return x
+
+    def inputs(
+        self,
+        input_ids: torch.Tensor,
+        lengths: torch.Tensor | Sequence[int] | None = None,
+        *,
+        past: Sequence[int] | None = None,
+        reserve: int = 0,
+        embeds: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> LayerInputs:
+        """What every layer of a step reads, as `forward` prepares it (`past`: the tokens each row has seen
+        before, None: none): the embeddings, cos/sin, the rows, the real positions. Calibration
+        (conversion.py) runs the layers one at a time on these."""
         B, L = input_ids.shape
         new = (L,) * B if lengths is None else tuple(int(length) for length in lengths)
-        rows = Rows(past=(0,) * B if state is None else tuple(state.lengths), new=new, width=L, reserve=reserve)
-        if state is not None and len(state.lengths) != B:
-            raise ValueError(f"a state of {len(state.lengths)} rows continued by {B} rows")
+        rows = Rows(past=(0,) * B if past is None else tuple(past), new=new, width=L, reserve=reserve)
         x = self.embed_tokens(input_ids).to(self.dtype) if embeds is None else embeds  # [B, L, D]
         if positions is None:
             start = rows.past[0] if rows.same_past else rows.past
             cos, sin = rotary_cos_sin(self.config, start, L, x.dtype, x.device)
         else:
             cos, sin = mrope_cos_sin(self.config, positions, x.dtype, x.device)
-        layer_states = [None] * len(self.layers) if state is None else state.layers
         real = None  # padded rows (continuations of different lengths): the MLPs skip the padding
         if rows.padded:
             real = (torch.arange(L, device=x.device) < torch.tensor(new, device=x.device)[:, None]).flatten().nonzero().squeeze(1)
-        new_states = []
-        for layer, layer_state in zip(self.layers, layer_states):
-            x, new_state = layer(x, cos, sin, rows, layer_state, return_state, real)
-            new_states.append(new_state)
-        x = self.norm(x)
-        if return_state:
-            return x, DecoderState(tuple(p + n for p, n in zip(rows.past, rows.new)), new_states)
-        return x
+        return LayerInputs(x, cos, sin, rows, real)
