@@ -339,6 +339,47 @@ def test_load_quantizes_a_release_that_does_not_fit_dense(tiny_dir, monkeypatch)
     assert 0 <= model.answer({"state": "hi", "questions": {"u": {"type": "noul"}}})["answers"]["u"]["noul"] <= 1
 
 
+@pytest.mark.parametrize(
+    ("rates", "memory_gib", "compact"),
+    [
+        (FakeRates(fp32=300, bf16=1900, int8=3000, fp16_packed=80), 24, False),  # AMX: the 2-byte copies fit
+        (FakeRates(fp32=300, bf16=1900, int8=3000, fp16_packed=80), 11, True),  # 11.3 GiB does not fit 8.8, 8.3 does
+        (FakeRates(fp32=120, bf16=20, int8=300, fp16_packed=125), 11, True),  # AVX2: still faster than weight-only
+    ],
+)
+def test_a_calibrated_bundle_that_does_not_fit_runs_w8a8_compact(rates, memory_gib, compact):
+    chosen = choose_precision(CPU, stored_int8=True, calibrated=True, rates=lambda: rates, parameters=NINE_B, memory_bytes=memory_gib * GIB)
+    print(f"{memory_gib} GiB: {chosen.name} compact={chosen.compact} ({chosen.reason})")
+    assert chosen.name == "int8-w8a8" and chosen.compact == compact
+    assert ("compact" in chosen.reason) == compact and ("int8-w8a8 11.3 GiB" in chosen.reason) == compact
+
+
+def test_compact_w8a8_loads_at_one_byte_and_answers_as_w8a8(tiny_dir, tmp_path, monkeypatch):
+    """The plan keeps W8A8's weight-only projections at 1 byte (no dense copy) when the copies do not fit;
+    the answers stay those of W8A8 (the projections dequantized in fp32 instead of a bf16 or fp16 copy)."""
+    monkeypatch.delenv("CLEF_FLASH_PRECISION", raising=False)
+    bundle = convert(tiny_dir, tmp_path / "bundle", progress=False)
+    parameters = clef_flash.plan.decoder_parameters(clef_flash.checkpoint.open_checkpoint(bundle))
+    kernel = machine.rates().int8_kernel
+    fast_int8 = FakeRates(fp32=300, bf16=1900, int8=3000, int8_kernel=kernel, excluded={}, fp16_packed=80)
+    monkeypatch.setattr(clef_flash.plan, "machine_rates", lambda: fast_int8)
+    monkeypatch.setattr(clef_flash.plan, "available_memory_bytes", lambda: int(parameters * 1.2 / 0.8))
+    compact = clef_flash.load(bundle, device="cpu")
+    assert compact.precision == "int8-w8a8" and compact.plan.dense_dtype is None and "compact" in compact.plan.reason
+    down = compact.parts.decoder.layers[0].mlp.down_proj
+    assert down.mode == "weight-only" and down.dense_dtype is None
+    full = clef_flash.load(bundle, device="cpu", precision="int8-w8a8")
+    worst = 0.0
+    for request in random_requests(3, 4):
+        a, b = compact.probabilities(request), full.probabilities(request)
+        for question_id, p in a.items():
+            worst = max(worst, max(abs(p[option] - b[question_id][option]) for option in p))
+            assert max(p, key=p.get) == max(b[question_id], key=b[question_id].get)
+    assert down._prepared is None  # nothing was made from the int8 weight: it is the only copy
+    print(f"compact vs 2-byte W8A8: max |dp| {worst:.2e}")
+    assert worst < 2e-2
+
+
 def test_w8a8_weight_only_projections_are_never_an_fp32_copy():
     from clef_flash.model.precision import BF16, PACKED_FP16, dense_dtype_for
 

@@ -58,7 +58,7 @@ def resolve(checkpoint: Any, device: torch.device, requested: str | None) -> Pla
         kernel = w8a8_kernel(measured)  # exact kernels only: forced or not
     except ValueError as exc:
         raise ClefError(str(exc)) from None
-    return Plan(precision, device, kernel=kernel, dense_dtype=dense_dtype_for(measured))
+    return Plan(precision, device, kernel=kernel, dense_dtype=None if precision.compact else dense_dtype_for(measured))
 
 
 def fastest_dense(device: torch.device) -> Plan:

@@ -102,6 +102,9 @@ class Precision:
     compute_dtype: torch.dtype  # activations and 16/32-bit weights
     int8_mode: str | None = None  # None: no int8 weights
     reason: str = "asked for"
+    # W8A8 only: its weight-only projections (W8A8_WEIGHT_ONLY) stay at 1 byte, dequantized tile by tile on
+    # every forward, instead of a 2-byte copy (the default takes this where the copy does not fit the memory)
+    compact: bool = False
 
     @property
     def quantized(self) -> bool:
@@ -276,17 +279,21 @@ def dense_dtype_for(rates: Rates) -> torch.dtype | None:
 
 
 # Bytes a decoder parameter takes in memory, by precision (int8: the weight and its scales; W8A8: its
-# weight-only share held in a 2-byte form). What the default checks against the machine's memory.
+# weight-only share held in a 2-byte form; compact W8A8 (Precision.compact): 1 byte throughout). What the
+# default checks against the machine's memory.
 BYTES_PER_PARAMETER = {"fp64": 8.0, "fp32": 4.0, "bf16": 2.0, "int8-weight-only": 1.0, "int8-w8a8": 1.35}
+COMPACT_W8A8 = "int8-w8a8 compact"  # a candidate of the default, run as int8-w8a8 with compact=True
+BYTES_PER_PARAMETER[COMPACT_W8A8] = 1.0
 MEMORY_SHARE = 0.8  # of the memory available when loading, what the model's weights may take
 
 
-def w8a8_rate(measured: Rates) -> float:
+def w8a8_rate(measured: Rates, *, compact: bool = False) -> float:
     """W8A8's rate: the int8 kernel for the int8 share of the FLOPs, the dense product (bf16 or fp32) for
-    W8A8_WEIGHT_ONLY; 0 where no kernel is exact."""
+    W8A8_WEIGHT_ONLY (compact: dequantized tile by tile, as int8 weight-only); 0 where no kernel is exact."""
     if measured.int8_kernel is None or measured.int8 <= 0:
         return 0.0
-    return 1 / (W8A8_INT8_SHARE / measured.int8 + (1 - W8A8_INT8_SHARE) / max(measured.fp32, measured.bf16))
+    dense = measured.fp32 / WEIGHT_ONLY_OVERHEAD if compact else max(measured.fp32, measured.bf16)
+    return 1 / (W8A8_INT8_SHARE / measured.int8 + (1 - W8A8_INT8_SHARE) / dense)
 
 
 def w8a8_kernel(measured: Rates) -> str:
@@ -316,6 +323,9 @@ def choose_precision(
     by the probe, among those whose weights (`parameters` x BYTES_PER_PARAMETER) fit in MEMORY_SHARE of
     `memory_bytes` (None: no bound). Nothing fitting is a one-line error with the sizes."""
     candidates = qualified(stored_int8=stored_int8, calibrated=calibrated)
+    if "int8-w8a8" in candidates:  # its 1-byte form, right after it: chosen when the 2-byte copies do not fit
+        at = candidates.index("int8-w8a8") + 1
+        candidates = (*candidates[:at], COMPACT_W8A8, *candidates[at:])
     if device.type != "cpu":
         name = "bf16" if not stored_int8 else "int8-weight-only"
         return PRECISIONS[name].with_reason(f"on {device.type}: {name} until an 8-bit path qualifies there")
@@ -325,6 +335,7 @@ def choose_precision(
         "bf16": measured.bf16,
         # int8 for the int8 share of the FLOPs, the dense product (bf16 or fp32) for W8A8_WEIGHT_ONLY
         "int8-w8a8": w8a8_rate(measured),
+        COMPACT_W8A8: w8a8_rate(measured, compact=True),
         "int8-weight-only": measured.fp32 / WEIGHT_ONLY_OVERHEAD,
     }
     needs = {name: (parameters or 0) * BYTES_PER_PARAMETER[name] for name in candidates}
@@ -337,13 +348,17 @@ def choose_precision(
             f"({MEMORY_SHARE:.0%} of {memory_bytes / 2**30:.1f} GiB available); free memory, or use a machine with more"
         )
     best = max(fitting_ones, key=lambda name: (rate[name], -candidates.index(name)))
-    figures = ", ".join(f"{name} {rate[name]:.0f}" for name in candidates)
-    kernel = f" ({measured.int8_kernel})" if best == "int8-w8a8" else ""
+    shown = [name for name in candidates if name != COMPACT_W8A8 or best == COMPACT_W8A8]  # the 1-byte form when it counts
+    figures = ", ".join(f"{name} {rate[name]:.0f}" for name in shown)
+    kernel = f" ({measured.int8_kernel})" if best in ("int8-w8a8", COMPACT_W8A8) else ""
     reason = f"fastest qualified on this CPU{kernel}; probe G(FL)OP/s: {figures}"
-    left_out = [name for name in candidates if name not in fitting_ones]
+    left_out = [name for name in shown if name not in fitting_ones]
     if left_out:
         reason += "; too big for memory: " + ", ".join(f"{name} {needs[name] / 2**30:.1f} GiB" for name in left_out)
         reason += f" of {room / 2**30:.1f} GiB usable"
+    if best == COMPACT_W8A8:
+        reason += "; compact: W8A8's weight-only projections stay 1 byte, dequantized tile by tile"
+        return dataclasses.replace(PRECISIONS["int8-w8a8"], compact=True, reason=reason)
     return PRECISIONS[best].with_reason(reason)
 
 
