@@ -102,6 +102,7 @@ class InferenceError(ClefError):
     """The model failed while answering a valid request."""
 
 
-def images_unsupported(message: str) -> RequestInvalid:
-    """A request with images for a model source that cannot read them (a 422 at `["body", "images"]`)."""
-    return RequestInvalid([{"type": "images_unsupported", "loc": ["body", "images"], "msg": message}])
+def media_unsupported(field: str, message: str) -> RequestInvalid:
+    """A request with `field` ("images" or "videos") for a model source that cannot read them (a 422 at
+    `["body", field]`, type `{field}_unsupported`)."""
+    return RequestInvalid([{"type": f"{field}_unsupported", "loc": ["body", field], "msg": message}])

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ..checkpoint import Checkpoint, ModelParts, build_model
-from ..errors import ClefError, images_unsupported
+from ..errors import ClefError, media_unsupported
 from ..model.head_batch import build_head_batch, softmax_per_question, split_logits
 from ..model.joint_head import FeatureBuilder
 from ..model.qwen3_5 import DecoderState
@@ -53,9 +53,10 @@ class TorchBackend:
 
     def check(self, record: EncodedRecord) -> None:
         """Any record within the token limit runs here (the limit is checked when it is encoded); one with
-        images needs the source's vision tower."""
+        images or videos needs the source's vision tower."""
         if record.media is not None and self.parts.vision is None:
-            raise images_unsupported("this model source has no vision tower (model.visual.*): it answers text only")
+            field = "images" if record.media.image_count else "videos"
+            raise media_unsupported(field, "this model source has no vision tower (model.visual.*): it answers text only")
 
     def describe(self) -> dict[str, Any]:
         return {"segment_tokens": self.segment_tokens}
@@ -141,9 +142,10 @@ class TorchBackend:
     def _media(
         self, rows: Sequence[Sequence[int]], media: Sequence[RecordMedia | None], continuing: Sequence[bool]
     ) -> list[RowMedia | None] | None:
-        """Per row: its 3-D positions (over the whole record) and, for a row run from its start, its image
-        features. The vision tower runs once over every image of those rows (attention stays within each
-        image); a row continuing a kept state has its images behind it (they precede the state)."""
+        """Per row: its 3-D positions (over the whole record) and, for a row run from its start, its image and
+        video features. The vision tower runs once over every image and video of those rows (attention stays
+        within each image and frame pair); a row continuing a kept state has its media behind it (they precede
+        the state)."""
         if all(item is None for item in media):
             return None
         fresh = [item for item, going_on in zip(media, continuing) if item is not None and not going_on]
@@ -158,11 +160,11 @@ class TorchBackend:
             if item is None:
                 out.append(None)
                 continue
-            positions = rope_positions(ids, item.grids, {item.pad_id}, item.merge)
+            positions = rope_positions(ids, item.position_grids, item.pad_ids, item.merge)
             if going_on:
                 out.append(RowMedia(torch.empty(0), torch.empty(0, dtype=torch.long), positions))
             else:
-                pads = (torch.tensor(ids) == item.pad_id).nonzero().flatten()
+                pads = torch.isin(torch.tensor(ids), torch.tensor(sorted(item.pad_ids))).nonzero().flatten()
                 out.append(RowMedia(next(per_record), pads, positions))
         return out
 
