@@ -12,7 +12,7 @@ numerical floor of the formulas (norms, RoPE and the delta rule in at least fp32
 
 Always: the joint head in fp32 (it is small and decides the answer), the output-embedding rows it reads
 as stored (gathered, never converted whole), the kept projections (`KEPT_HIGH_PRECISION`) never int8, and
-the vision tower never int8 (it computes in the compute dtype; an int8 bundle stores it as released). A new precision is one row in `PRECISIONS` (and, for a new int8 mode, a kernel in checkpoint/quant.py).
+the vision tower never int8 (under int8 it stays as released, in a bundle too). A new precision is one row in `PRECISIONS` (and, for a new int8 mode, a kernel in checkpoint/quant.py).
 """
 
 from __future__ import annotations
@@ -131,10 +131,9 @@ class Precision:
         return stored  # the head gathers the option tokens' rows and casts them itself
 
     def vision_dtype(self, stored: torch.dtype) -> torch.dtype:
-        """The vision tower (`model.visual.*`) computes in the compute dtype: never quantized (not measured safe
-        to); under int8 an int8 bundle stores it as released and it computes as the decoder's activations do
-        (fp32 on CPU, bf16 on CUDA)."""
-        return self.compute_dtype
+        """The vision tower (`model.visual.*`): the float precision's dtype; under int8 it stays as released
+        (not quantized, not measured safe to; an int8 bundle stores it as released)."""
+        return stored if self.quantized else self.compute_dtype
 
     def on(self, device: torch.device) -> Precision:
         """The same precision for a device: int8 computes in fp32 on CPU and in bf16 on CUDA."""
