@@ -16,9 +16,8 @@ import argparse
 import base64
 import io
 import os
-import statistics
+import sys
 import tempfile
-import time
 from pathlib import Path
 
 import av
@@ -26,9 +25,13 @@ import numpy as np
 import torch
 from PIL import Image
 
-import clef_flash
-from clef_flash.checkpoint.random_release import write_random_release
-from clef_flash.request.protocol import parse_request
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import median_ms  # noqa: E402
+
+import clef_flash  # noqa: E402
+from clef_flash.checkpoint.random_release import write_random_release  # noqa: E402
+from clef_flash.request.protocol import parse_request  # noqa: E402
 
 QUESTIONS = {"damaged": {"type": "noul", "instructions": "Is the parcel damaged?"}}
 
@@ -62,16 +65,6 @@ def png_uri(array: np.ndarray) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
-def median_seconds(run, repeats: int) -> float:
-    run()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=int, default=10)
@@ -96,13 +89,14 @@ def main() -> None:
             request = parse_request(body)
             record = model.encode(request)
             kept = 2 * record.media.grids[0][0]
-            validate = median_seconds(lambda: parse_request(body), args.repeats)
-            encode = median_seconds(lambda: model.encode(request), args.repeats)
-            answer = median_seconds(lambda: model.answer(request), args.repeats)
+            validate, encode, answer = (
+                median_ms(run, repeats=args.repeats, warmup=1)
+                for run in (lambda: parse_request(body), lambda: model.encode(request), lambda: model.answer(request))
+            )
             print(
                 f"{name}: {args.side}x{args.side}, {kept} frames kept, grid {record.media.grids[0]}, {record.media.tokens} video "
-                f"tokens of {record.token_count}; validate {validate * 1000:.0f} ms, encode {encode * 1000:.0f} ms, "
-                f"answer {answer * 1000:.0f} ms (medians of {args.repeats}), load {os.getloadavg()[0]:.2f}"
+                f"tokens of {record.token_count}; validate {validate:.0f} ms, encode {encode:.0f} ms, "
+                f"answer {answer:.0f} ms (medians of {args.repeats}), load {os.getloadavg()[0]:.2f}"
             )
 
 

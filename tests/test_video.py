@@ -26,7 +26,6 @@ import pytest
 import torch
 
 import clef_flash
-from clef_flash.checkpoint.random_release import write_random_release
 from clef_flash.engine.backend import Timings
 from clef_flash.errors import RecordTooLong, RequestInvalid
 
@@ -83,15 +82,8 @@ def clip(path: Path, frames: int, width: int, height: int, rate: int, codec: str
 
 
 @pytest.fixture(scope="module")
-def release(tmp_path_factory) -> Path:
-    out = write_random_release(tmp_path_factory.mktemp("video") / "release", "tiny-vision", seed=5)
-    config = json.loads((out / "preprocessor_config.json").read_text())
-    config["size"]["longest_edge"] = MAX_IMAGE_PIXELS
-    (out / "preprocessor_config.json").write_text(json.dumps(config))
-    config = json.loads((out / "video_preprocessor_config.json").read_text())
-    config["size"]["longest_edge"] = MAX_VIDEO_PIXELS
-    (out / "video_preprocessor_config.json").write_text(json.dumps(config))
-    return out
+def release(vision_release) -> Path:
+    return vision_release("video", 5, preprocessor_config=MAX_IMAGE_PIXELS, video_preprocessor_config=MAX_VIDEO_PIXELS)
 
 
 @pytest.fixture(scope="module")

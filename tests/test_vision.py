@@ -20,7 +20,6 @@ import pytest
 import torch
 
 import clef_flash
-from clef_flash.checkpoint.random_release import write_random_release
 from clef_flash.errors import RecordTooLong, RequestInvalid
 from clef_flash.model.qwen3_5 import mrope_cos_sin, rotary_cos_sin
 
@@ -32,12 +31,8 @@ MAX_PIXELS = 512 * 512
 
 
 @pytest.fixture(scope="module")
-def release(tmp_path_factory) -> Path:
-    out = write_random_release(tmp_path_factory.mktemp("vision") / "release", "tiny-vision", seed=3)
-    config = json.loads((out / "preprocessor_config.json").read_text())
-    config["size"]["longest_edge"] = MAX_PIXELS
-    (out / "preprocessor_config.json").write_text(json.dumps(config))
-    return out
+def release(vision_release) -> Path:
+    return vision_release("vision", 3, preprocessor_config=MAX_PIXELS)
 
 
 @pytest.fixture(scope="module")

@@ -344,64 +344,64 @@ QuestionId = Annotated[
 OptionLabel = Annotated[str, AfterValidator(_check_label), WithJsonSchema({"type": "string", "minLength": MIN_LABEL_LENGTH})]
 
 
+def _media_list_schema(max_items: int, items: dict[str, Any], description: str) -> dict[str, Any]:
+    """The published schema of `images` / `videos`: null, or an array of at most `max_items` `items`."""
+    return {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": max_items, "items": items}], "description": description}
+
+
 IMAGE_DATA_URI_PATTERN = r"^data:image/(png|jpeg|webp);base64,[A-Za-z0-9+/]*={0,2}$"
-_IMAGES_SCHEMA = {
-    "anyOf": [
-        {"type": "null"},
-        {
-            "type": "array",
-            "maxItems": MAX_IMAGES,
-            "items": {
-                "type": "string",
-                "pattern": IMAGE_DATA_URI_PATTERN,
-                "maxLength": 4 * -(-MAX_IMAGE_BYTES // 3) + len("data:image/jpeg;base64,"),
-                "description": "data:image/png|jpeg|webp;base64,... (4 MiB, 16 MP at most)",
-            },
-        },
-    ],
-    "description": "Up to 4 images as data URIs (8 MiB together); remote URLs are refused. Each must decode to "
-    "an image of its type (a rule JSON Schema cannot state: 422 image_undecodable otherwise).",
+_IMAGE_SCHEMA = {
+    "type": "string",
+    "pattern": IMAGE_DATA_URI_PATTERN,
+    "maxLength": 4 * -(-MAX_IMAGE_BYTES // 3) + len("data:image/jpeg;base64,"),
+    "description": "data:image/png|jpeg|webp;base64,... (4 MiB, 16 MP at most)",
 }
+_IMAGES_SCHEMA = _media_list_schema(
+    MAX_IMAGES,
+    _IMAGE_SCHEMA,
+    "Up to 4 images as data URIs (8 MiB together); remote URLs are refused. Each must decode to "
+    "an image of its type (a rule JSON Schema cannot state: 422 image_undecodable otherwise).",
+)
 _images_count = _count_check(
     False, "'images' must be an array of data URIs", "a request takes", "images", 0, MAX_IMAGES, too_many="too_many_images"
 )
-Images = Annotated[
-    list[Annotated[Any, _media_item(decode_image)]],
-    BeforeValidator(lambda value: [] if value is None else _images_count(value)),
-    _media_total("images", MAX_TOTAL_IMAGE_BYTES, "8 MiB"),
-    WithJsonSchema(_IMAGES_SCHEMA),
-]
+
+
+def _media_list(decode: Any, count: Any, field: str, limit: int, words: str, schema: dict[str, Any]) -> Any:
+    """`images` / `videos`: null or a list, counted first (`count`), each item decoded, the bytes together checked."""
+    return Annotated[
+        list[Annotated[Any, _media_item(decode)]],
+        BeforeValidator(lambda value: [] if value is None else count(value)),
+        _media_total(field, limit, words),
+        WithJsonSchema(schema),
+    ]
+
+
+Images = _media_list(decode_image, _images_count, "images", MAX_TOTAL_IMAGE_BYTES, "8 MiB", _IMAGES_SCHEMA)
 
 VIDEO_DATA_URI_PATTERN = r"^data:video/(mp4|webm);base64,[A-Za-z0-9+/]*={0,2}$"
-_VIDEOS_SCHEMA = {
-    "anyOf": [
-        {"type": "null"},
-        {
-            "type": "array",
-            "maxItems": MAX_VIDEOS,
-            "items": {
-                "anyOf": [
-                    {
-                        "type": "string",
-                        "pattern": VIDEO_DATA_URI_PATTERN,
-                        "maxLength": 4 * -(-MAX_VIDEO_BYTES // 3) + len("data:video/webm;base64,"),
-                        "description": "data:video/mp4|webm;base64,... (16 MiB, 1,200 frames of 1920x1088 at most)",
-                    },
-                    {
-                        "type": "array",
-                        "minItems": 2,
-                        "maxItems": MAX_VIDEO_FRAMES,
-                        "items": _IMAGES_SCHEMA["anyOf"][1]["items"],
-                        "description": "the frames, as image data URIs of one size (16 MiB and 32 MP together)",
-                    },
-                ]
+_VIDEOS_SCHEMA = _media_list_schema(
+    MAX_VIDEOS,
+    {
+        "anyOf": [
+            {
+                "type": "string",
+                "pattern": VIDEO_DATA_URI_PATTERN,
+                "maxLength": 4 * -(-MAX_VIDEO_BYTES // 3) + len("data:video/webm;base64,"),
+                "description": "data:video/mp4|webm;base64,... (16 MiB, 1,200 frames of 1920x1088 at most)",
             },
-        },
-    ],
-    "description": "Up to 4 videos (16 MiB together), each a video data URI or an array of frames; sampled at the "
-    "release's rate (2 frames per second; an array is a clip at 24 fps). Each must decode (422 video_undecodable "
-    "otherwise).",
-}
+            {
+                "type": "array",
+                "minItems": 2,
+                "maxItems": MAX_VIDEO_FRAMES,
+                "items": _IMAGE_SCHEMA,
+                "description": "the frames, as image data URIs of one size (16 MiB and 32 MP together)",
+            },
+        ]
+    },
+    "Up to 4 videos (16 MiB together), each a video data URI or an array of frames; sampled at the release's rate "
+    "(2 frames per second; an array is a clip at 24 fps). Each must decode (422 video_undecodable otherwise).",
+)
 _videos_count = _count_check(
     False,
     "'videos' must be an array of videos (data URIs, or arrays of frames)",
@@ -411,12 +411,7 @@ _videos_count = _count_check(
     MAX_VIDEOS,
     too_many="too_many_videos",
 )
-Videos = Annotated[
-    list[Annotated[Any, _media_item(decode_video)]],
-    BeforeValidator(lambda value: [] if value is None else _videos_count(value)),
-    _media_total("videos", MAX_TOTAL_VIDEO_BYTES, "16 MiB"),
-    WithJsonSchema(_VIDEOS_SCHEMA),
-]
+Videos = _media_list(decode_video, _videos_count, "videos", MAX_TOTAL_VIDEO_BYTES, "16 MiB", _VIDEOS_SCHEMA)
 
 
 # --------------------------------------------------------------------------------------------
