@@ -258,10 +258,46 @@ def test_state_reuse_keys_on_the_videos(clef, media):
     results = clef.score(records, timings)
     kept = records[0].prefix_tokens + records[0].state_tokens
     assert timings.tokens_reused == kept, (timings.tokens_reused, kept)  # the second continues the first; the third never
+    worst = 0.0
+    for request, per_question in zip((second, third), results[1:]):
+        clef.state_cache.clear()
+        got = {result.question_id: dict(zip(result.option_ids, result.logits)) for result in per_question}
+        worst = max(worst, relative_error(got, clef.logits(request)))
+    print(f"records continuing a kept state with videos (or not) vs from the start: rel {worst:.1e}")
+    assert worst <= 1e-5
+
+
+def test_segments_split_a_video(clef, media):
+    """A record run in 40-token segments (its frame pairs and timestamps cut across them) equals one pass."""
+    request = request_of("video+image", media)
     clef.state_cache.clear()
-    fresh = clef.logits(third)
-    got = {result.question_id: dict(zip(result.option_ids, result.logits)) for result in results[2]}
-    assert relative_error(got, fresh) <= 1e-5
+    whole = clef.logits(request)
+    previous = clef.segment_tokens
+    try:
+        clef.segment_tokens = 40
+        clef.state_cache.clear()
+        segmented = clef.logits(request)
+    finally:
+        clef.segment_tokens = previous
+    worst = relative_error(segmented, whole)
+    print(f"40-token segments vs one pass: rel {worst:.1e}")
+    assert worst <= 1e-5
+
+
+def test_batch_answers_video_lines_and_reports_bad_ones(clef, media, tmp_path):
+    from clef_flash.batch import BatchJob
+
+    lines = [request_of("file", media) | {"id": "clip"}, {"state": "s", "questions": QUESTIONS, "videos": ["clip.mp4"]}, {"state": "t", "questions": QUESTIONS}]
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    summary = BatchJob.open(source, out, model="clef-flash").run(clef, batch_size=3)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert (summary.written, summary.errors) == (3, 1)
+    assert rows[0]["id"] == "clip" and rows[0]["usage"]["input_tokens"] == clef.encode(lines[0]).token_count
+    alone = clef.answer(lines[0])["answers"]
+    for question_id, answer in rows[0]["answers"].items():  # rounded to 4 decimals, batched with others
+        assert answer.get("probabilities", answer.get("noul")) == pytest.approx(alone[question_id].get("probabilities", alone[question_id].get("noul")), abs=2e-4)
+    assert rows[1]["error"]["detail"][0]["loc"] == ["body", "videos", 0] and "answers" in rows[2]
 
 
 def test_video_tokens_count_against_the_token_limit(release, media):

@@ -292,7 +292,12 @@ class SystemOneServer:
     def routes(self) -> list[Route]:
         run = "/accounts/{account}/ai/run/"
         cloudflare = f"Workers AI: run {WORKERS_AI_MODEL}"
-        rules = {"description": schemas.request_rules(self.settings.max_body_bytes, self.model.max_length)}
+        settings = self.settings
+        rules = {
+            "description": schemas.request_rules(
+                settings.max_body_bytes, self.model.max_length, settings.max_image_body_bytes, settings.max_video_body_bytes
+            )
+        }
         return [
             Route("/v1/systemone", "POST", self.systemone, "Answer a System One request", openapi={**schemas.SYSTEMONE, **rules}),
             Route("/v1/sets/{name}", "POST", self.question_set, "Ask a saved question set about a state", openapi={**schemas.QUESTION_SET, **rules}),
