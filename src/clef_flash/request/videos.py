@@ -282,7 +282,7 @@ def preprocess_video(video: RequestVideo, config: VideoProcessorConfig) -> Prepr
     # Rescale and normalize fused, as transformers does: (x - 255 mean) / (255 std) in float32.
     mean = (torch.tensor(pixels.image_mean) * (1.0 / pixels.rescale_factor)).view(-1, 1, 1)
     std = (torch.tensor(pixels.image_std) * (1.0 / pixels.rescale_factor)).view(-1, 1, 1)
-    frames = (frames.to(torch.float32) - mean) / std
+    frames = (frames.float() - mean) / std  # float32, as transformers normalizes
     p, m, t = pixels.patch_size, pixels.merge_size, pixels.temporal_patch_size
     if pad := -len(frames) % t:
         frames = torch.cat([frames, frames[-1:].expand(pad, -1, -1, -1)])
