@@ -134,13 +134,14 @@ def _video_file(data: bytes) -> RequestVideo:
         if not container.streams.video:
             raise MediaProblem("video_undecodable", "the file has no video stream")
         stream = container.streams.video[0]
-        _check_frame_size(stream.width, stream.height)
+        size = (stream.width, stream.height)
+        _check_frame_size(*size)
         frame_count = stream.frames
         if frame_count <= 0:  # WebM states no count: count them (decoding, at most one past the limit)
             frame_count = sum(1 for _ in _decoded(container, MAX_VIDEO_FRAMES + 1))
         _check_frame_count(frame_count)
         rate = float(stream.average_rate) if stream.average_rate else None
-    return RequestVideo(None, data, frame_count, rate, (stream.width, stream.height), hashlib.sha256(data).hexdigest(), len(data))
+    return RequestVideo(None, data, frame_count, rate, size, hashlib.sha256(data).hexdigest(), len(data))
 
 
 def _decoded(container: Any, limit: int) -> Iterator[Any]:
