@@ -85,6 +85,26 @@ def vision_release(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def segments_error():
+    """`error(model, request, segment_tokens)`: the largest relative difference between a request's logits run in
+    segments of `segment_tokens` and in one pass (the state cache cleared before each)."""
+
+    def error(model, request, segment_tokens: int) -> float:
+        model.state_cache.clear()
+        whole = model.logits(request)
+        previous = model.segment_tokens
+        try:
+            model.segment_tokens = segment_tokens
+            model.state_cache.clear()
+            segmented = model.logits(request)
+        finally:
+            model.segment_tokens = previous
+        return max(abs(segmented[q][o] - whole[q][o]) / max(abs(v) for v in whole[q].values()) for q in whole for o in whole[q])
+
+    return error
+
+
+@pytest.fixture(scope="session")
 def heads_dir(tmp_path_factory) -> Path:
     """A random release with the 9B per-head sizes at hidden 256 (about 2 s to write)."""
     from clef_flash.checkpoint.random_release import write_random_release

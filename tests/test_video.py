@@ -267,19 +267,9 @@ def test_state_reuse_keys_on_the_videos(clef, media):
     assert worst <= 1e-5
 
 
-def test_segments_split_a_video(clef, media):
+def test_segments_split_a_video(clef, media, segments_error):
     """A record run in 40-token segments (its frame pairs and timestamps cut across them) equals one pass."""
-    request = request_of("video+image", media)
-    clef.state_cache.clear()
-    whole = clef.logits(request)
-    previous = clef.segment_tokens
-    try:
-        clef.segment_tokens = 40
-        clef.state_cache.clear()
-        segmented = clef.logits(request)
-    finally:
-        clef.segment_tokens = previous
-    worst = relative_error(segmented, whole)
+    worst = segments_error(clef, request_of("video+image", media), 40)
     print(f"40-token segments vs one pass: rel {worst:.1e}")
     assert worst <= 1e-5
 

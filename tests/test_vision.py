@@ -304,17 +304,8 @@ def test_state_reuse_keys_on_the_images(clef, reference):
     assert worst <= 1e-5
 
 
-def test_segments_split_an_image(clef):
+def test_segments_split_an_image(clef, segments_error):
     """A record run in 50-token segments (its image pads cut across them) equals one pass."""
-    request = as_request(*CASES["2-aspects"])
-    whole = clef.logits(request)
-    previous = clef.segment_tokens
-    try:
-        clef.segment_tokens = 50
-        clef.state_cache.clear()
-        segmented = clef.logits(request)
-    finally:
-        clef.segment_tokens = previous
-    worst = max(abs(segmented[q][o] - whole[q][o]) / max(abs(v) for v in whole[q].values()) for q in whole for o in whole[q])
+    worst = segments_error(clef, as_request(*CASES["2-aspects"]), 50)
     print(f"50-token segments vs one pass: rel {worst:.1e}")
     assert worst <= 1e-5
