@@ -64,6 +64,47 @@ def tiny_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def vision_release(tmp_path_factory):
+    """`make(name, seed, **longest_edge)`: a random `tiny-vision` release whose processors keep inputs small (each
+    `preprocessor_config=N` / `video_preprocessor_config=N` caps that config's pixels after resizing), so that
+    small test inputs are resized down as large ones are by the real release."""
+    import json
+
+    from clef_flash.checkpoint.random_release import write_random_release
+
+    def make(name: str, seed: int, **longest_edge: int) -> Path:
+        out = write_random_release(tmp_path_factory.mktemp(name) / "release", "tiny-vision", seed=seed)
+        for config_name, pixels in longest_edge.items():
+            path = out / f"{config_name}.json"
+            config = json.loads(path.read_text())
+            config["size"]["longest_edge"] = pixels
+            path.write_text(json.dumps(config))
+        return out
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def segments_error():
+    """`error(model, request, segment_tokens)`: the largest relative difference between a request's logits run in
+    segments of `segment_tokens` and in one pass (the state cache cleared before each)."""
+
+    def error(model, request, segment_tokens: int) -> float:
+        model.state_cache.clear()
+        whole = model.logits(request)
+        previous = model.segment_tokens
+        try:
+            model.segment_tokens = segment_tokens
+            model.state_cache.clear()
+            segmented = model.logits(request)
+        finally:
+            model.segment_tokens = previous
+        return max(abs(segmented[q][o] - whole[q][o]) / max(abs(v) for v in whole[q].values()) for q in whole for o in whole[q])
+
+    return error
+
+
+@pytest.fixture(scope="session")
 def heads_dir(tmp_path_factory) -> Path:
     """A random release with the 9B per-head sizes at hidden 256 (about 2 s to write)."""
     from clef_flash.checkpoint.random_release import write_random_release

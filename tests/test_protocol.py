@@ -160,7 +160,8 @@ MALFORMED = [
         ["body", "assets"],
         "images_unsupported",
     ),
-    ("videos", body(videos=["v.mp4"]), ["body", "videos"], "videos_unsupported"),
+    ("videos-not-a-uri", body(videos=["v.mp4"]), ["body", "videos", 0], "video_type"),
+    ("videos-string", body(videos="data:video/mp4;base64,AAAA"), ["body", "videos"], "list_type"),
     ("model-number", body(model=3), ["body", "model"], "string_type"),
     ("model-object", body(model={"name": "clef"}), ["body", "model"], "string_type"),
     # Ids that spell a union tag still locate by position, not by name.
@@ -210,7 +211,7 @@ def test_messages_say_what_is_allowed():
     assert all(name in unknown["msg"] for name in ("'box'", "'noul'", "'choice'", "'score'"))
     assert unknown["input"] == "box"
     assert errors_of(body(images=["x"]))[0]["msg"] == "an image must be a data URI: data:image/png|jpeg|webp;base64,..."
-    assert errors_of(body(videos=["v.mp4"]))[0]["msg"] == "videos are not supported by this runtime (images are: send them in 'images')"
+    assert errors_of(body(videos=["v.mp4"]))[0]["msg"] == "a video must be a data URI: data:video/mp4|webm;base64,..."
     assert errors_of(question(type="choice", criteria=options(1)))[0]["ctx"] == {
         "min_length": 2,
         "max_length": 255,
@@ -634,14 +635,24 @@ def test_images_are_published_with_their_count_limit():
         assert errors_of(body(images=media))[0]["loc"][:2] == ["body", "images"]
 
 
-@pytest.mark.parametrize("field", ["videos", "assets"])
-def test_media_fields_are_published_as_empty_only(field):
-    published = SystemOneRequest.model_json_schema()["properties"][field]["anyOf"]
+def test_assets_are_published_as_empty_only():
+    published = SystemOneRequest.model_json_schema()["properties"]["assets"]["anyOf"]
     assert published == [{"type": "null"}, {"type": "array", "maxItems": 0}, {"type": "object", "maxProperties": 0}]
     for empty in (None, [], {}):
-        parse_request(body(**{field: empty}))
+        parse_request(body(assets=empty))
     for media in ([{"url": "x"}], {"a": 1}, 0, ""):
-        assert errors_of(body(**{field: media}))[0]["loc"] == ["body", field]
+        assert errors_of(body(assets=media))[0]["loc"] == ["body", "assets"]
+
+
+def test_videos_are_published_and_located():
+    null, published = SystemOneRequest.model_json_schema()["properties"]["videos"]["anyOf"]
+    assert null == {"type": "null"} and published["type"] == "array" and published["maxItems"] == 4
+    uri, frames = published["items"]["anyOf"]
+    assert uri["pattern"].startswith("^data:video/(mp4|webm);base64,") and frames["items"]["pattern"].startswith("^data:image/")
+    for empty in (None, []):
+        assert parse_request(body(videos=empty)).videos is None
+    for media in ([{"url": "x"}], {"a": 1}, 0, "", ["https://example.com/a.mp4"], ["data:video/mp4;base64,x"] * 5):
+        assert errors_of(body(videos=media))[0]["loc"][:2] == ["body", "videos"]
 
 
 def test_a_served_request_publishes_and_enforces_its_model_names():

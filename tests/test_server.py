@@ -295,7 +295,7 @@ def test_body_size_limits(model):
     limit = 4096
     small = json.dumps(ticket()).encode()
     big = json.dumps(ticket("x" * limit)).encode()
-    with serving(model, max_body_bytes=limit, max_image_body_bytes=limit, batch_wait_ms=0) as client:
+    with serving(model, max_body_bytes=limit, max_image_body_bytes=limit, max_video_body_bytes=limit, batch_wait_ms=0) as client:
         assert client.post("/v1/systemone", content=small).status_code == 200
         by_header = client.post("/v1/systemone", content=big)
         assert by_header.status_code == 413 and "4096" in by_header.json()["detail"]
@@ -616,11 +616,12 @@ def test_serve_command(model, monkeypatch, capsys):
         "api_key": "from-env",
         "max_body_bytes": 1 << 20,
         "max_image_body_bytes": 12 << 20,
+        "max_video_body_bytes": 34 << 20,
         "batch_tokens": None,
         "batch_wait_ms": 0.0,
         "max_batch": 1,
         "max_queue": 256,
-        "max_parsing_bytes": 24 << 20,
+        "max_parsing_bytes": 68 << 20,
         "request_timeout_s": 300.0,
         "header_timeout_s": 10.0,
         "body_timeout_s": 30.0,

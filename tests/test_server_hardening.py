@@ -177,7 +177,9 @@ def test_bodies_past_the_parse_budget_get_429_with_retry_after(model):
     limit = 4096
 
     async def scenario():
-        app = create_app(model, max_body_bytes=limit, max_image_body_bytes=limit, max_parsing_bytes=2 * limit, batch_wait_ms=0)
+        app = create_app(
+            model, max_body_bytes=limit, max_image_body_bytes=limit, max_video_body_bytes=limit, max_parsing_bytes=2 * limit, batch_wait_ms=0
+        )
         async with async_serving(app) as client:
             release = asyncio.Event()
             body = json.dumps(ticket("x" * 3400)).encode()
@@ -207,8 +209,8 @@ def test_bodies_past_the_parse_budget_get_429_with_retry_after(model):
 
 
 def test_the_parse_budget_must_hold_a_compressed_body_and_its_copy(model):
-    with pytest.raises(ValueError, match="at least twice max_image_body_bytes"):
-        create_app(model, max_body_bytes=1 << 20, max_image_body_bytes=1 << 20, max_parsing_bytes=1 << 20)
+    with pytest.raises(ValueError, match="at least twice max_video_body_bytes"):
+        create_app(model, max_body_bytes=1 << 20, max_image_body_bytes=1 << 20, max_video_body_bytes=1 << 20, max_parsing_bytes=1 << 20)
 
 
 # -- 5. content types --------------------------------------------------------------------------------

@@ -20,7 +20,6 @@ import pytest
 import torch
 
 import clef_flash
-from clef_flash.checkpoint.random_release import write_random_release
 from clef_flash.errors import RecordTooLong, RequestInvalid
 from clef_flash.model.qwen3_5 import mrope_cos_sin, rotary_cos_sin
 
@@ -32,12 +31,8 @@ MAX_PIXELS = 512 * 512
 
 
 @pytest.fixture(scope="module")
-def release(tmp_path_factory) -> Path:
-    out = write_random_release(tmp_path_factory.mktemp("vision") / "release", "tiny-vision", seed=3)
-    config = json.loads((out / "preprocessor_config.json").read_text())
-    config["size"]["longest_edge"] = MAX_PIXELS
-    (out / "preprocessor_config.json").write_text(json.dumps(config))
-    return out
+def release(vision_release) -> Path:
+    return vision_release("vision", 3, preprocessor_config=MAX_PIXELS)
 
 
 @pytest.fixture(scope="module")
@@ -309,17 +304,8 @@ def test_state_reuse_keys_on_the_images(clef, reference):
     assert worst <= 1e-5
 
 
-def test_segments_split_an_image(clef):
+def test_segments_split_an_image(clef, segments_error):
     """A record run in 50-token segments (its image pads cut across them) equals one pass."""
-    request = as_request(*CASES["2-aspects"])
-    whole = clef.logits(request)
-    previous = clef.segment_tokens
-    try:
-        clef.segment_tokens = 50
-        clef.state_cache.clear()
-        segmented = clef.logits(request)
-    finally:
-        clef.segment_tokens = previous
-    worst = max(abs(segmented[q][o] - whole[q][o]) / max(abs(v) for v in whole[q].values()) for q in whole for o in whole[q])
+    worst = segments_error(clef, as_request(*CASES["2-aspects"]), 50)
     print(f"50-token segments vs one pass: rel {worst:.1e}")
     assert worst <= 1e-5

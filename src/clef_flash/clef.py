@@ -146,6 +146,7 @@ class Clef:
             max_length=self.max_length,
             truncate_state=truncate_state,
             image_processor=self.checkpoint.image_processor,
+            video_processor=self.checkpoint.video_processor,
         )
 
     def prepare(self, request: Any, *, truncate_state: bool = False) -> Prepared:

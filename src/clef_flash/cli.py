@@ -92,15 +92,19 @@ def read_stdin() -> str:
 
 
 def read_request(args: argparse.Namespace) -> Any:
-    """The request body from --state/--question flags (or --set), a file, or stdin; --image paths join its images."""
+    """The request body from --state/--question flags (or --set), a file, or stdin; --image and --video paths join
+    its images and videos."""
     request = _read_request_body(args)
-    if getattr(args, "image", None):
+    for flag, field in (("image", "images"), ("video", "videos")):
+        paths = getattr(args, flag, None)
+        if not paths:
+            continue
         if not isinstance(request, dict):
-            raise ClefError("--image needs a request object")
-        for path in args.image:
+            raise ClefError(f"--{flag} needs a request object")
+        for path in paths:
             if not Path(path).is_file():
-                raise ClefError(f"no image file at {path}")
-        request = {**request, "images": [*(request.get("images") or []), *map(Path, args.image)]}
+                raise ClefError(f"no {flag} file at {path}")
+        request = {**request, field: [*(request.get(field) or []), *map(Path, paths)]}
     return request
 
 
@@ -289,6 +293,7 @@ def command_serve(args: argparse.Namespace) -> int:
         "api_key": args.api_key or None,
         "max_body_bytes": args.max_body_bytes,
         "max_image_body_bytes": max(args.max_image_body_bytes, args.max_body_bytes),
+        "max_video_body_bytes": max(args.max_video_body_bytes, args.max_image_body_bytes, args.max_body_bytes),
         "batch_tokens": args.batch_tokens,
         "batch_wait_ms": args.batch_wait_ms,
         "max_batch": args.max_batch,
@@ -436,22 +441,33 @@ def engine_spec(args: argparse.Namespace, **options: Any):
 
 
 def command_render(args: argparse.Namespace) -> int:
-    from .checkpoint.sources import resolve_source
+    from .checkpoint.sources import processor_configs, resolve_source
     from .request.protocol import parse_request
     from .request.images import ImageProcessorConfig
     from .request.records import DEFAULT_MAX_LENGTH, encode_record, marked_text
     from .request.tokenizer import Tokenizer
+    from .request.videos import VideoProcessorConfig
 
     request = parse_request(read_request(args))
     root = resolve_source(args.model, revision=args.revision)
     tokenizer = Tokenizer.from_file(root / "tokenizer.json")
-    processor = root / "preprocessor_config.json"
-    image_processor = ImageProcessorConfig.from_dict(json.loads(processor.read_text())) if processor.is_file() else None
+    configs = processor_configs(root)
+    image_config, video_config = configs["processor_config"], configs["video_processor_config"]
     limit = args.max_length or DEFAULT_MAX_LENGTH
-    record = encode_record(tokenizer, request, max_length=limit, truncate_state=args.truncate_state, image_processor=image_processor)
+    record = encode_record(
+        tokenizer,
+        request,
+        max_length=limit,
+        truncate_state=args.truncate_state,
+        image_processor=None if image_config is None else ImageProcessorConfig.from_dict(image_config),
+        video_processor=None if video_config is None else VideoProcessorConfig.from_dict(video_config),
+    )
     print(marked_text(tokenizer, record))
     cut = f" ({record.state_tokens_dropped} cut from its end)" if args.truncate_state else ""
-    images = f" (images {record.media.tokens})" if record.media is not None else ""
+    images = ""
+    if record.media is not None:
+        kinds = " and ".join(kind for kind, count in (("images", record.media.image_count), ("videos", len(record.media.times))) if count)
+        images = f" ({kinds} {record.media.tokens})"
     print(
         f"\n--- tokens: prefix {record.prefix_tokens}{images}, state {record.state_tokens}{cut}, schema {record.schema_tokens}, "
         f"suffix {record.suffix_tokens}; total {record.token_count} of {limit}",
@@ -720,6 +736,14 @@ REQUEST_ARGUMENTS = (
         metavar="PATH",
         help="an image (PNG, JPEG or WebP) in the state, repeatable up to 4; added to a request file's images too",
     ),
+    arg(
+        "--video",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="a video (MP4 or WebM) in the state, after the images, repeatable up to 4; sampled at 2 frames per "
+        "second as the release's processor does; added to a request file's videos too",
+    ),
 )
 
 TRUNCATE_STATE = arg(
@@ -931,6 +955,12 @@ COMMANDS = (
                 default=12 << 20,
                 help="the body limit for a request with images (default 12 MiB: 8 MiB of images as base64, and text)",
             ),
+            arg(
+                "--max-video-body-bytes",
+                type=int,
+                default=34 << 20,
+                help="the body limit for a request with videos (default 34 MiB: 16 MiB of videos as base64, images and text)",
+            ),
             arg("--max-length", type=int, help="token limit per record; longer ones get 422 (default 65536)"),
             arg("--batch-tokens", type=int, help="padded tokens per batch (default: the model's, 8192)"),
             arg("--batch-wait-ms", type=float, default=5.0, help="how long a request waits for others to batch with (default 5)"),
@@ -939,9 +969,9 @@ COMMANDS = (
             arg(
                 "--max-parsing-bytes",
                 type=int,
-                default=24 << 20,
+                default=68 << 20,
                 help="bytes of bodies being read, parsed and tokenized at once, before 429 + Retry-After; "
-                "what bounds memory (default 24 MiB; at least twice --max-image-body-bytes)",
+                "what bounds memory (default 68 MiB; at least twice --max-video-body-bytes)",
             ),
             arg("--request-timeout", type=float, default=300.0, metavar="S", help="the longest a request waits for the model, then 503 (default 300)"),
             arg("--header-timeout", type=float, default=10.0, metavar="S", help="a request's headers must arrive within this, else 408 and close (default 10)"),

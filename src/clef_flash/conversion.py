@@ -27,7 +27,7 @@ from torch import nn
 from .checkpoint import bundle
 from .checkpoint.names import DECODER_PREFIX, EMBEDDING
 from .checkpoint.outliers import Calibration
-from .errors import ClefError, images_unsupported
+from .errors import ClefError, no_vision_tower
 from .model.precision import is_quantized
 from .prefill import DEFAULT_SEGMENT_TOKENS
 
@@ -208,10 +208,11 @@ def _record_steps(
     release_pages(table)
     decoder.embed_tokens = nn.Embedding.from_pretrained(rows)
     vision = None
-    if any(record.media is not None for record in records):
+    with_media = [record.media for record in records if record.media is not None]
+    if with_media:
         vision = build_vision(checkpoint, checkpoint.tensors, precision=precision, device=device)
         if vision is None:
-            raise images_unsupported("this model source has no vision tower (model.visual.*): it answers text only")
+            raise no_vision_tower(any(media.image_count for media in with_media))
     try:
         for record in records:
             ids = torch.searchsorted(tokens, torch.tensor(record.input_ids, dtype=torch.long))  # [T] rows of `rows`

@@ -102,6 +102,13 @@ class InferenceError(ClefError):
     """The model failed while answering a valid request."""
 
 
-def images_unsupported(message: str) -> RequestInvalid:
-    """A request with images for a model source that cannot read them (a 422 at `["body", "images"]`)."""
-    return RequestInvalid([{"type": "images_unsupported", "loc": ["body", "images"], "msg": message}])
+def media_unsupported(field: str, message: str) -> RequestInvalid:
+    """A request with `field` ("images" or "videos") for a model source that cannot read them (a 422 at
+    `["body", field]`, type `{field}_unsupported`)."""
+    return RequestInvalid([{"type": f"{field}_unsupported", "loc": ["body", field], "msg": message}])
+
+
+def no_vision_tower(has_images: bool) -> RequestInvalid:
+    """A record with images (else videos) for a model source without a vision tower."""
+    field = "images" if has_images else "videos"
+    return media_unsupported(field, "this model source has no vision tower (model.visual.*): it answers text only")

@@ -103,9 +103,10 @@ def row_media(
     dtype: torch.dtype,
     device: torch.device,
 ) -> list[RowMedia | None] | None:
-    """Per row: its 3-D positions (over the whole record) and, for a row run from its start, its image
-    features in `dtype`. The vision tower runs once over every image of those rows (attention stays within
-    each image); a row continuing a kept state has its images behind it (they precede the state)."""
+    """Per row: its 3-D positions (over the whole record) and, for a row run from its start, its image and
+    video features in `dtype`. The vision tower runs once over every image and video of those rows (attention
+    stays within each image and frame pair); a row continuing a kept state has its media behind it (they
+    precede the state)."""
     if all(item is None for item in media):
         return None
     fresh = [item for item, going_on in zip(media, continuing) if item is not None and not going_on]
@@ -120,11 +121,11 @@ def row_media(
         if item is None:
             out.append(None)
             continue
-        positions = rope_positions(ids, item.grids, {item.pad_id}, item.merge)
+        positions = rope_positions(ids, item.position_grids, item.pad_ids, item.merge)
         if going_on:
             out.append(RowMedia(torch.empty(0), torch.empty(0, dtype=torch.long), positions))
         else:
-            pads = (torch.tensor(ids) == item.pad_id).nonzero().flatten()
+            pads = torch.isin(torch.tensor(ids), torch.tensor(sorted(item.pad_ids))).nonzero().flatten()
             out.append(RowMedia(next(per_record), pads, positions))
     return out
 

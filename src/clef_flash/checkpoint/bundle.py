@@ -8,6 +8,9 @@ A bundle directory:
     embeddings.safetensors input embeddings, 16-bit, gathered by row from the memory map (never loaded whole)
     lm_head.safetensors    output embeddings, 16-bit; the head gathers only the option tokens' rows
     joint_head.safetensors the joint head, fp32
+    vision.safetensors     the vision tower (model.visual.*) as the release stores it, when the release has one and
+                           an image processor; then preprocessor_config.json (and video_preprocessor_config.json)
+                           are copied too, and the bundle answers images and videos
     config.json, joint_head_config.json, tokenizer.json   copied from the release
 
 The tensor files are standard safetensors (any safetensors reader opens them), written by a streaming
@@ -33,7 +36,7 @@ from ..console import ProgressBar
 from ..errors import BundleError, WeightsError
 from ..model.precision import KEPT_HIGH_PRECISION, PRECISIONS, Plan, storage_dtype_of
 from .loading import build_model
-from .names import DECODER_PREFIX, EMBEDDING, IGNORED_PREFIXES, LM_HEAD
+from .names import DECODER_PREFIX, EMBEDDING, IGNORED_PREFIXES, LM_HEAD, VISION_PREFIX
 from .quant import SCHEME, QuantizingSource
 from .outliers import MAX_FRACTION, THRESHOLD, Calibration, find_outliers
 from .safetensors_io import (
@@ -47,12 +50,24 @@ from .safetensors_io import (
     write_json_durably,
     write_safetensors,
 )
-from .sources import HEAD_CONFIG, HEAD_WEIGHTS, Checkpoint, config_fingerprint, open_release, read_json, resolve_source
+from .sources import (
+    HEAD_CONFIG,
+    HEAD_WEIGHTS,
+    PROCESSOR_CONFIG,
+    VIDEO_PROCESSOR_CONFIG,
+    Checkpoint,
+    config_fingerprint,
+    open_release,
+    processor_configs,
+    read_json,
+    resolve_source,
+)
 
 FORMAT = "clef-flash-bundle"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 COPIED_FILES = ("config.json", HEAD_CONFIG, "tokenizer.json")
+COPIED_IF_PRESENT = (PROCESSOR_CONFIG, VIDEO_PROCESSOR_CONFIG)  # with the vision tower
 REDO = ": convert the release again"
 
 
@@ -65,11 +80,17 @@ def is_bundle(root: Path) -> bool:
 
 def _part_of(name: str) -> str:
     """Which bundle file (and storage rule) a release tensor belongs to."""
+    if name.startswith(VISION_PREFIX):
+        return "vision"
     if name == LM_HEAD:
         return "lm_head"
     if name == DECODER_PREFIX + EMBEDDING:
         return "embeddings"
     return "decoder"
+
+
+def _bundled(name: str, with_vision: bool) -> bool:
+    return not name.startswith(IGNORED_PREFIXES) or (with_vision and name.startswith(VISION_PREFIX))
 
 
 def convert(
@@ -101,8 +122,10 @@ def convert(
     # Check every name and shape against the model before writing anything (meta tensors: no data read).
     _check(checkpoint)
 
+    # The vision tower comes along when the runtime would load it from the release (a tower and an image processor).
+    with_vision = release.processor_config is not None and "vision_config" in release.config
     plans: dict[str, list[PlannedTensor]] = {}
-    for name in sorted(name for name in checkpoint.tensors.keys() if not name.startswith(IGNORED_PREFIXES)):
+    for name in sorted(name for name in checkpoint.tensors.keys() if _bundled(name, with_vision)):
         part, shape = _part_of(name), checkpoint.tensors.shape(name)
         dtype = storage_dtype_of(name, shape, checkpoint.tensors.dtype(name), part=part)
         plans.setdefault(f"{part}.safetensors", []).append(PlannedTensor(name, dtype, shape))
@@ -126,7 +149,8 @@ def convert(
                     on_bytes=meter.advance,
                 )
                 files[file] = {"bytes": (staging / file).stat().st_size, "sha256": digest}
-        for name in COPIED_FILES:
+        copied = [*COPIED_FILES, *(name for name in COPIED_IF_PRESENT if with_vision and (root / name).is_file())]
+        for name in copied:
             shutil.copyfile(root / name, staging / name)
             files[name] = {"bytes": (staging / name).stat().st_size, "sha256": sha256_of(staging / name)}
         manifest = {
@@ -136,7 +160,7 @@ def convert(
             "scheme": {
                 "weights": SCHEME,
                 "quantized": "decoder projections (*_proj.weight, in_proj_*.weight; 2-D)",
-                "kept_high_precision": list(KEPT_HIGH_PRECISION) + ["norms", "conv1d", "A_log", "dt_bias"],
+                "kept_high_precision": list(KEPT_HIGH_PRECISION) + ["norms", "conv1d", "A_log", "dt_bias", "model.visual.* (as released)"],
                 "dtypes": {part: str(dtype).removeprefix("torch.") for part, dtype in _part_dtypes(plans).items()},
                 "outliers": None
                 if calibration is None
@@ -268,4 +292,5 @@ def open_bundle(root: Path, *, source: str | None = None, verify: bool = False) 
         stored_int8=True,
         manifest=manifest,
         decoder_files="decoder.safetensors",
+        **processor_configs(root),
     )

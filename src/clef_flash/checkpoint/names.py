@@ -14,7 +14,7 @@ from .safetensors_io import TensorSource
 DECODER_PREFIX = "model.language_model."  # + the decoder's parameter names
 LM_HEAD = "lm_head.weight"
 EMBEDDING = "embed_tokens.weight"  # relative to the decoder
-VISION_PREFIX = "model.visual."  # the vision tower: written by random releases, skipped by the runtime
+VISION_PREFIX = "model.visual."  # the vision tower: loaded on its own (loading.build_vision), skipped by the decoder's loader
 MTP_PREFIX = "mtp."  # the multi-token-prediction layers (as vLLM reads them): skipped too
 IGNORED_PREFIXES = (VISION_PREFIX, MTP_PREFIX)
 

@@ -40,7 +40,8 @@ DEFAULT_REPO = "Cloudflare/clef-flash"
 RANDOM_PREFIX = "random:"
 
 
-PROCESSOR_CONFIG = "preprocessor_config.json"
+PROCESSOR_CONFIG = "preprocessor_config.json"  # the image processor
+VIDEO_PROCESSOR_CONFIG = "video_preprocessor_config.json"
 
 
 @dataclass
@@ -59,6 +60,7 @@ class Checkpoint:
     manifest: dict | None = None  # a bundle's manifest
     decoder_files: str = "model*.safetensors"  # for error messages
     processor_config: dict | None = None  # preprocessor_config.json (a release's image processor); None: text only
+    video_processor_config: dict | None = None  # video_preprocessor_config.json; None: no videos
 
     @property
     def where(self) -> str:
@@ -80,6 +82,13 @@ class Checkpoint:
         from ..request.images import ImageProcessorConfig
 
         return None if self.processor_config is None else ImageProcessorConfig.from_dict(self.processor_config)
+
+    @functools.cached_property
+    def video_processor(self):
+        """The release's video processor (request/videos.py), or None when it has none (no videos)."""
+        from ..request.videos import VideoProcessorConfig
+
+        return None if self.video_processor_config is None else VideoProcessorConfig.from_dict(self.video_processor_config)
 
     @property
     def calibrated(self) -> bool:
@@ -121,8 +130,16 @@ def open_release(
         tokenizer_file=root / "tokenizer.json",
         tensors=files(release_files(root)),
         head_tensors=files([root / HEAD_WEIGHTS]),
-        processor_config=read_json(root / PROCESSOR_CONFIG) if (root / PROCESSOR_CONFIG).is_file() else None,
+        **processor_configs(root),
     )
+
+
+def processor_configs(root: Path) -> dict[str, dict | None]:
+    """A release's (or bundle's) image and video processor configs, as `Checkpoint` fields (None: absent)."""
+    return {
+        field: read_json(root / name) if (root / name).is_file() else None
+        for field, name in (("processor_config", PROCESSOR_CONFIG), ("video_processor_config", VIDEO_PROCESSOR_CONFIG))
+    }
 
 
 def open_export(root: Path, *, source: str | None = None) -> Checkpoint:

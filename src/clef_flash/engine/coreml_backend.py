@@ -14,7 +14,7 @@ from ..checkpoint import coreml_layout as layout
 from ..coreml.host import CoreMLHost, Runner
 from ..checkpoint.coreml_layout import RUNNERS
 from ..coreml.runners import make_runner
-from ..errors import ClefError, images_unsupported
+from ..errors import ClefError, media_unsupported
 from ..plan import coreml_plan
 from ..request.records import EncodedRecord
 from ..state_cache import CachedState
@@ -37,7 +37,8 @@ class CoreMLBackend:
         """Refuses a record longer than the largest bucket, or with more questions or options than the head holds,
         or with images (the Core ML export is text only: not done)."""
         if record.media is not None:
-            raise images_unsupported("the Core ML export answers text only; images need the torch backend (a release)")
+            field = "images" if record.media.image_count else "videos"
+            raise media_unsupported(field, f"the Core ML export answers text only; {field} need the torch backend (a release)")
         self.host.check(record)
 
     def describe(self) -> dict[str, Any]:

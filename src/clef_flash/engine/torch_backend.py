@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ..checkpoint import Checkpoint, ModelParts, build_model
-from ..errors import ClefError, images_unsupported
+from ..errors import ClefError, no_vision_tower
 from ..model.head_batch import build_head_batch, softmax_per_question, split_logits
 from ..model.joint_head import FeatureBuilder
 from ..model.qwen3_5 import DecoderState
@@ -51,9 +51,9 @@ class TorchBackend:
 
     def check(self, record: EncodedRecord) -> None:
         """Any record within the token limit runs here (the limit is checked when it is encoded); one with
-        images needs the source's vision tower."""
+        images or videos needs the source's vision tower."""
         if record.media is not None and self.parts.vision is None:
-            raise images_unsupported("this model source has no vision tower (model.visual.*): it answers text only")
+            raise no_vision_tower(bool(record.media.image_count))
 
     def describe(self) -> dict[str, Any]:
         return {"segment_tokens": self.segment_tokens}

@@ -11,8 +11,8 @@ numerical floor of the formulas (norms, RoPE and the delta rule in at least fp32
     int8-w8a8          fp32 (CPU), bf16 (CUDA)  int8, activations int8 per token
 
 Always: the joint head in fp32 (it is small and decides the answer), the output-embedding rows it reads
-as stored (gathered, never converted whole), and the kept projections (`KEPT_HIGH_PRECISION`) never
-int8. A new precision is one row in `PRECISIONS` (and, for a new int8 mode, a kernel in checkpoint/quant.py).
+as stored (gathered, never converted whole), the kept projections (`KEPT_HIGH_PRECISION`) never int8, and
+the vision tower never int8 (under int8 it stays as released, in a bundle too). A new precision is one row in `PRECISIONS` (and, for a new int8 mode, a kernel in checkpoint/quant.py).
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ class Precision:
 
     def vision_dtype(self, stored: torch.dtype) -> torch.dtype:
         """The vision tower (`model.visual.*`): the float precision's dtype; under int8 it stays as released
-        (not quantized, not measured safe to)."""
+        (not quantized, not measured safe to; an int8 bundle stores it as released)."""
         return stored if self.quantized else self.compute_dtype
 
     def on(self, device: torch.device) -> Precision:
@@ -149,9 +149,11 @@ class Precision:
 
 
 def storage_dtype_of(name: str, shape: tuple[int, ...], stored: torch.dtype, *, part: str) -> torch.dtype:
-    """The dtype an 8-bit bundle stores a tensor in. `part`: decoder, embeddings, lm_head or head."""
+    """The dtype an 8-bit bundle stores a tensor in. `part`: decoder, embeddings, lm_head, head or vision."""
     if part == "head":
         return HEAD_DTYPE
+    if part == "vision":
+        return stored  # the vision tower, as released
     if part in ("embeddings", "lm_head"):
         return BUNDLE_EMBEDDING_DTYPE
     if is_quantized(name, shape):

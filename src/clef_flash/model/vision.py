@@ -4,14 +4,15 @@ Parameter names are the checkpoint names under `model.visual.` (patch_embed.proj
 attn.qkv / attn.proj / norm2 / mlp.linear_fc1 / mlp.linear_fc2, merger.norm / linear_fc1 / linear_fc2), so a
 loader fills it by name, strictly, as the decoder.
 
-    pixel_values [N, C*T*p*p] (request/images.py) -> patch embedding (the Conv3d with stride = kernel as the
-    matmul it is) + the learned position table resampled bilinearly (align_corners) to each image's grid ->
-    `depth` pre-norm blocks (LayerNorm eps 1e-6; attention within each image only, 2-D rotary over (row, col);
-    tanh-GELU MLP) -> merger: LayerNorm, each 2x2 block of patches concatenated, Linear, GELU, Linear
-    -> [N / 4, out_hidden_size], one row per image pad token.
+    pixel_values [N, C*T*p*p] (request/images.py, request/videos.py) -> patch embedding (the Conv3d with stride =
+    kernel as the matmul it is; T: an image repeated, or a video's frame pair) + the learned position table
+    resampled bilinearly (align_corners) to each image's grid -> `depth` pre-norm blocks (LayerNorm eps 1e-6;
+    attention within each image or frame pair only, 2-D rotary over (row, col); tanh-GELU MLP) -> merger:
+    LayerNorm, each 2x2 block of patches concatenated, Linear, GELU, Linear -> [N / 4, out_hidden_size], one
+    row per image or video pad token.
 
-Patches arrive in merge-block order (request/images.py writes them so): the 4 patches of a 2x2 block are
-consecutive, so the merger is a reshape.
+Patches arrive in merge-block order (request/ writes them so; a video's frame pairs one after the other): the 4
+patches of a 2x2 block are consecutive, so the merger is a reshape.
 """
 
 from __future__ import annotations
@@ -139,7 +140,8 @@ class PatchMerger(nn.Module):
 
 
 class VisionTower(nn.Module):
-    """pixel_values [N, patch_dim] and grid_thw (one (t, h, w) per image) -> [N / merge², out_hidden_size]."""
+    """pixel_values [N, patch_dim] and grid_thw (one (t, h, w) per image or video; t: a video's frame pairs)
+    -> [N / merge², out_hidden_size]."""
 
     def __init__(self, config: VisionConfig):
         super().__init__()
@@ -159,7 +161,7 @@ class VisionTower(nn.Module):
         x = self.patch_embed(pixel_values.to(device))
         x = x + self._position_table(grid_thw, rows, cols).to(x.dtype)
         cos, sin = self._rotary(rows, cols)
-        lengths = [t * h * w for t, h, w in grid_thw]
+        lengths = [h * w for t, h, w in grid_thw for _ in range(t)]  # attention within each image and frame pair
         for block in self.blocks:
             x = block(x, cos, sin, lengths)
         return self.merger(x)

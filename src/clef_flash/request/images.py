@@ -32,8 +32,8 @@ MAX_IMAGE_PIXELS = 16 * 1024 * 1024
 FORMATS = {"png": "PNG", "jpeg": "JPEG", "jpg": "JPEG", "webp": "WEBP"}
 
 
-class ImageProblem(ValueError):
-    """What is wrong with one image: `kind` is the 422 item's type, the message says what to fix."""
+class MediaProblem(ValueError):
+    """What is wrong with one image or video: `kind` is the 422 item's type, the message says what to fix."""
 
     def __init__(self, kind: str, message: str):
         super().__init__(message)
@@ -53,12 +53,12 @@ def _pil():
     try:
         from PIL import Image
     except ImportError as error:  # pragma: no cover - Pillow is a dependency
-        raise ImageProblem("image_unsupported", "images need Pillow: pip install 'clef-flash[vision]'") from error
+        raise MediaProblem("image_unsupported", "images need Pillow: pip install 'clef-flash[vision]'") from error
     return Image
 
 
 def decode_image(value: Any) -> RequestImage:
-    """One image in any accepted form -> a `RequestImage`, or `ImageProblem`."""
+    """One image in any accepted form -> a `RequestImage`, or `MediaProblem`."""
     Image = _pil()
     if isinstance(value, RequestImage):
         return value
@@ -67,64 +67,105 @@ def decode_image(value: Any) -> RequestImage:
         pixels = value.tobytes()
         digest = hashlib.sha256(f"{value.mode}:{value.size}:".encode() + pixels).hexdigest()
         return RequestImage(value, digest, len(pixels))
-    if isinstance(value, str):
-        data = _data_uri(value)
-    elif isinstance(value, (bytes, bytearray, memoryview)):
-        data = bytes(value)
-    elif isinstance(value, Path):
-        try:
-            data = value.read_bytes()
-        except OSError as error:
-            raise ImageProblem("image_unreadable", f"cannot read {value}: {error.strerror or error}") from None
-    else:
-        raise ImageProblem(
+    data = encoded_bytes(value, IMAGE_URIS)
+    if data is None:
+        raise MediaProblem(
             "image_type", f"an image is a data URI string (in Python also a PIL image, bytes or a Path); got {type(value).__name__}"
         )
-    if len(data) > MAX_IMAGE_BYTES:
-        raise ImageProblem("image_too_large", f"an image may have at most {MAX_IMAGE_BYTES} bytes (4 MiB); got {len(data)}")
     try:
         image = Image.open(io.BytesIO(data))
     except Exception:
-        raise ImageProblem("image_undecodable", "the image could not be decoded as PNG, JPEG or WebP") from None
+        raise MediaProblem("image_undecodable", "the image could not be decoded as PNG, JPEG or WebP") from None
     if image.format not in set(FORMATS.values()):
-        raise ImageProblem("image_format", f"images must be PNG, JPEG or WebP; got {image.format}")
+        raise MediaProblem("image_format", f"images must be PNG, JPEG or WebP; got {image.format}")
     _check_pixels(image.size)
     try:
         image.load()
     except Exception:
-        raise ImageProblem("image_undecodable", f"the {image.format} image is truncated or corrupt") from None
+        raise MediaProblem("image_undecodable", f"the {image.format} image is truncated or corrupt") from None
     return RequestImage(image, hashlib.sha256(data).hexdigest(), len(data))
 
 
 def _check_pixels(size: tuple[int, int]) -> None:
     width, height = size
     if width * height > MAX_IMAGE_PIXELS:
-        raise ImageProblem(
+        raise MediaProblem(
             "image_too_many_pixels", f"an image may have at most {MAX_IMAGE_PIXELS} pixels (16 MP); got {width}x{height}"
         )
     if width < 1 or height < 1:
-        raise ImageProblem("image_undecodable", f"the image is empty ({width}x{height})")
+        raise MediaProblem("image_undecodable", f"the image is empty ({width}x{height})")
 
 
-def _data_uri(text: str) -> bytes:
+@dataclass(frozen=True)
+class DataUris:
+    """What a kind of media accepts as encoded bytes: data URIs of `subtypes` under `kind`/, at most `max_bytes`."""
+
+    kind: str  # "image" or "video": the media type's prefix and the 422 types' prefix
+    subtypes: tuple[str, ...]  # "png", "jpeg", ...
+    max_bytes: int
+    limit: str  # the byte limit in words, "4 MiB"
+
+    @property
+    def one(self) -> str:
+        return ("an " if self.kind[0] in "aeiou" else "a ") + self.kind
+
+    @property
+    def example(self) -> str:
+        return f"data:{self.kind}/{self.subtypes[0]};base64,..."
+
+    @property
+    def alternatives(self) -> str:
+        return "|".join(subtype for subtype in self.subtypes if subtype != "jpg")
+
+    @property
+    def types(self) -> str:
+        names = [f"{self.kind}/{subtype}" for subtype in self.subtypes if subtype != "jpg"]
+        return ", ".join(names[:-1]) + " or " + names[-1]
+
+
+IMAGE_URIS = DataUris("image", tuple(FORMATS), MAX_IMAGE_BYTES, "4 MiB")
+
+
+def encoded_bytes(value: Any, uris: DataUris) -> bytes | None:
+    """The encoded bytes of a data URI string, bytes or a `Path` (at most `uris.max_bytes`); None for another type.
+    A plain string is never read as a path: a request body cannot name a file on the server."""
+    kind = uris.kind
+    if isinstance(value, str):
+        data = _data_uri(value, uris)
+    elif isinstance(value, (bytes, bytearray, memoryview)):
+        data = bytes(value)
+    elif isinstance(value, Path):
+        try:
+            data = value.read_bytes()
+        except OSError as error:
+            raise MediaProblem(f"{kind}_unreadable", f"cannot read {value}: {error.strerror or error}") from None
+    else:
+        return None
+    if len(data) > uris.max_bytes:
+        raise MediaProblem(f"{kind}_too_large", f"{uris.one} may have at most {uris.max_bytes} bytes ({uris.limit}); got {len(data)}")
+    return data
+
+
+def _data_uri(text: str, uris: DataUris) -> bytes:
+    kind = uris.kind
     lowered = text[:16].lower()
     if lowered.startswith(("http://", "https://", "ftp://", "file:")):
-        raise ImageProblem("image_url_refused", "remote image URLs are not fetched; send the image as a data URI (data:image/png;base64,...)")
+        raise MediaProblem(f"{kind}_url_refused", f"remote {kind} URLs are not fetched; send the {kind} as a data URI ({uris.example})")
     if not lowered.startswith("data:"):
-        raise ImageProblem("image_type", "an image must be a data URI: data:image/png|jpeg|webp;base64,...")
+        raise MediaProblem(f"{kind}_type", f"{uris.one} must be a data URI: data:{kind}/{uris.alternatives};base64,...")
     header, comma, payload = text.partition(",")
     media_type, _, encoding = header[5:].partition(";")
     if not comma or encoding.lower() != "base64":
-        raise ImageProblem("image_type", "an image data URI must be base64: data:image/png;base64,...")
-    subtype = media_type.lower().removeprefix("image/")
-    if not media_type.lower().startswith("image/") or subtype not in FORMATS:
-        raise ImageProblem("image_format", f"images must be image/png, image/jpeg or image/webp; got {media_type or 'no type'}")
-    if len(payload) > 4 * math.ceil(MAX_IMAGE_BYTES / 3) + 4:
-        raise ImageProblem("image_too_large", f"an image may have at most {MAX_IMAGE_BYTES} bytes (4 MiB)")
+        raise MediaProblem(f"{kind}_type", f"{uris.one} data URI must be base64: {uris.example}")
+    subtype = media_type.lower().removeprefix(f"{kind}/")
+    if not media_type.lower().startswith(f"{kind}/") or subtype not in uris.subtypes:
+        raise MediaProblem(f"{kind}_format", f"{kind}s must be {uris.types}; got {media_type or 'no type'}")
+    if len(payload) > 4 * math.ceil(uris.max_bytes / 3) + 4:
+        raise MediaProblem(f"{kind}_too_large", f"{uris.one} may have at most {uris.max_bytes} bytes ({uris.limit})")
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
-        raise ImageProblem("image_base64", "the image data URI is not valid base64") from None
+        raise MediaProblem(f"{kind}_base64", f"the {kind} data URI is not valid base64") from None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -174,7 +215,7 @@ class ImageProcessorConfig:
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """Multiples of `factor` near (height, width), aspect kept, pixels within [min_pixels, max_pixels]."""
     if max(height, width) / min(height, width) > 200:
-        raise ImageProblem("image_aspect", f"an image's aspect ratio must be under 200; got {width}x{height}")
+        raise MediaProblem("image_aspect", f"an image's aspect ratio must be under 200; got {width}x{height}")
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
     if h_bar * w_bar > max_pixels:

@@ -13,9 +13,11 @@ Choices where the public sources disagree (`/work/shared/systemone.md` §7), and
   The SDK always sends `model` (default `"jev-latest"`), so any model name is accepted and echoed.
 - **Images as the hosted API takes them** (request/images.py): up to 4 data URIs, 4 MiB each, 8 MiB
   together, 16 MP each; remote URLs are refused. Every refusal names the image's index
-  (`["body", "images", i]`) and what is wrong. `videos` and the SDK's image `assets` are refused
-  (`videos_unsupported` / `images_unsupported`) when present and non-empty: answering as if they were
-  not there would be silently wrong. Absent, `null`, `[]` or `{}` are fine.
+  (`["body", "images", i]`) and what is wrong. **Videos** (request/videos.py; the hosted API takes none):
+  up to 4, each a video data URI (MP4, WebM) or an array of frames (image data URIs), 16 MiB together;
+  refusals name the video's index (`["body", "videos", i]`), and a frame's in the message. The SDK's
+  image `assets` are refused (`images_unsupported`) when present and non-empty: answering as if they
+  were not there would be silently wrong. Absent, `null`, `[]` or `{}` are fine.
 - **`state` is required and may be any JSON value except `null`** (string, object, array, number,
   boolean; non-strings are rendered as compact JSON). The TypeSafe OpenAPI schema the SDK is
   generated from allows no `null` and the SDK refuses `None` itself: a null state is a caller bug
@@ -65,7 +67,8 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from ..errors import RequestInvalid
-from .images import MAX_IMAGE_BYTES, MAX_IMAGES, MAX_TOTAL_IMAGE_BYTES, ImageProblem, RequestImage, decode_image
+from .images import MAX_IMAGE_BYTES, MAX_IMAGES, MAX_TOTAL_IMAGE_BYTES, MediaProblem, decode_image
+from .videos import MAX_TOTAL_VIDEO_BYTES, MAX_VIDEO_BYTES, MAX_VIDEO_FRAMES, MAX_VIDEOS, decode_video
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
@@ -231,22 +234,30 @@ Description = Annotated[
 Level = Annotated[Any, _content_validator("a score level", nullable=False), WithJsonSchema(_CONTENT_SCHEMA)]
 
 
-def _image_item(value: Any) -> RequestImage:
-    try:
-        return decode_image(value)
-    except ImageProblem as problem:
-        raise PydanticCustomError(problem.kind, str(problem)) from None
+def _media_item(decode: Any) -> Any:
+    """A validator of one image or video: `decode` it (request/images.py, request/videos.py), or its 422 item."""
+
+    def validate(value: Any) -> Any:
+        try:
+            return decode(value)
+        except MediaProblem as problem:
+            raise PydanticCustomError(problem.kind, str(problem)) from None
+
+    return PlainValidator(validate)
 
 
-def _images_total(value: Any) -> Any:
-    if not value:
-        return None
-    total = sum(image.nbytes for image in value)
-    if total > MAX_TOTAL_IMAGE_BYTES:
-        raise PydanticCustomError(
-            "images_too_large", f"images may have at most {MAX_TOTAL_IMAGE_BYTES} bytes (8 MiB) together; got {total}"
-        )
-    return tuple(value)
+def _media_total(field: str, limit: int, words: str) -> Any:
+    """A validator of a media list's encoded bytes together: at most `limit` (`words`), else `{field}_too_large`."""
+
+    def validate(value: Any) -> Any:
+        if not value:
+            return None
+        total = sum(item.nbytes for item in value)
+        if total > limit:
+            raise PydanticCustomError(f"{field}_too_large", f"{field} may have at most {limit} bytes ({words}) together; got {total}")
+        return tuple(value)
+
+    return AfterValidator(validate)
 
 
 def _media_validator(field: str, error_type: str, noun: str) -> Any:
@@ -333,33 +344,74 @@ QuestionId = Annotated[
 OptionLabel = Annotated[str, AfterValidator(_check_label), WithJsonSchema({"type": "string", "minLength": MIN_LABEL_LENGTH})]
 
 
+def _media_list_schema(max_items: int, items: dict[str, Any], description: str) -> dict[str, Any]:
+    """The published schema of `images` / `videos`: null, or an array of at most `max_items` `items`."""
+    return {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": max_items, "items": items}], "description": description}
+
+
 IMAGE_DATA_URI_PATTERN = r"^data:image/(png|jpeg|webp);base64,[A-Za-z0-9+/]*={0,2}$"
-_IMAGES_SCHEMA = {
-    "anyOf": [
-        {"type": "null"},
-        {
-            "type": "array",
-            "maxItems": MAX_IMAGES,
-            "items": {
-                "type": "string",
-                "pattern": IMAGE_DATA_URI_PATTERN,
-                "maxLength": 4 * -(-MAX_IMAGE_BYTES // 3) + len("data:image/jpeg;base64,"),
-                "description": "data:image/png|jpeg|webp;base64,... (4 MiB, 16 MP at most)",
-            },
-        },
-    ],
-    "description": "Up to 4 images as data URIs (8 MiB together); remote URLs are refused. Each must decode to "
-    "an image of its type (a rule JSON Schema cannot state: 422 image_undecodable otherwise).",
+_IMAGE_SCHEMA = {
+    "type": "string",
+    "pattern": IMAGE_DATA_URI_PATTERN,
+    "maxLength": 4 * -(-MAX_IMAGE_BYTES // 3) + len("data:image/jpeg;base64,"),
+    "description": "data:image/png|jpeg|webp;base64,... (4 MiB, 16 MP at most)",
 }
+_IMAGES_SCHEMA = _media_list_schema(
+    MAX_IMAGES,
+    _IMAGE_SCHEMA,
+    "Up to 4 images as data URIs (8 MiB together); remote URLs are refused. Each must decode to "
+    "an image of its type (a rule JSON Schema cannot state: 422 image_undecodable otherwise).",
+)
 _images_count = _count_check(
     False, "'images' must be an array of data URIs", "a request takes", "images", 0, MAX_IMAGES, too_many="too_many_images"
 )
-Images = Annotated[
-    list[Annotated[Any, PlainValidator(_image_item)]],
-    BeforeValidator(lambda value: [] if value is None else _images_count(value)),
-    AfterValidator(_images_total),
-    WithJsonSchema(_IMAGES_SCHEMA),
-]
+
+
+def _media_list(decode: Any, count: Any, field: str, limit: int, words: str, schema: dict[str, Any]) -> Any:
+    """`images` / `videos`: null or a list, counted first (`count`), each item decoded, the bytes together checked."""
+    return Annotated[
+        list[Annotated[Any, _media_item(decode)]],
+        BeforeValidator(lambda value: [] if value is None else count(value)),
+        _media_total(field, limit, words),
+        WithJsonSchema(schema),
+    ]
+
+
+Images = _media_list(decode_image, _images_count, "images", MAX_TOTAL_IMAGE_BYTES, "8 MiB", _IMAGES_SCHEMA)
+
+VIDEO_DATA_URI_PATTERN = r"^data:video/(mp4|webm);base64,[A-Za-z0-9+/]*={0,2}$"
+_VIDEOS_SCHEMA = _media_list_schema(
+    MAX_VIDEOS,
+    {
+        "anyOf": [
+            {
+                "type": "string",
+                "pattern": VIDEO_DATA_URI_PATTERN,
+                "maxLength": 4 * -(-MAX_VIDEO_BYTES // 3) + len("data:video/webm;base64,"),
+                "description": "data:video/mp4|webm;base64,... (16 MiB, 1,200 frames of 1920x1088 at most)",
+            },
+            {
+                "type": "array",
+                "minItems": 2,
+                "maxItems": MAX_VIDEO_FRAMES,
+                "items": _IMAGE_SCHEMA,
+                "description": "the frames, as image data URIs of one size (16 MiB and 32 MP together)",
+            },
+        ]
+    },
+    "Up to 4 videos (16 MiB together), each a video data URI or an array of frames; sampled at the release's rate "
+    "(2 frames per second; an array is a clip at 24 fps). Each must decode (422 video_undecodable otherwise).",
+)
+_videos_count = _count_check(
+    False,
+    "'videos' must be an array of videos (data URIs, or arrays of frames)",
+    "a request takes",
+    "videos",
+    0,
+    MAX_VIDEOS,
+    too_many="too_many_videos",
+)
+Videos = _media_list(decode_video, _videos_count, "videos", MAX_TOTAL_VIDEO_BYTES, "16 MiB", _VIDEOS_SCHEMA)
 
 
 # --------------------------------------------------------------------------------------------
@@ -452,7 +504,7 @@ class SystemOneRequest(BaseModel):
         too_many="too_many_questions",  # its own type: clients split into requests of 64
     ) = Field(description="Questions keyed by caller-chosen ids; answers come back in this order.")
     images: Images = None
-    videos: _media_validator("videos", "videos_unsupported", "videos") = None
+    videos: Videos = None
     assets: _media_validator("assets", "images_unsupported", "image assets") = None
 
     def to_record(self) -> dict[str, Any]:
@@ -478,6 +530,8 @@ class SystemOneRequest(BaseModel):
         record: dict[str, Any] = {"state": self.state, "questions": questions}
         if self.images:
             record["images"] = self.images
+        if self.videos:
+            record["videos"] = self.videos
         return record
 
 
@@ -711,10 +765,13 @@ def _translate(error: Mapping[str, Any]) -> dict[str, Any]:
         elif raw_loc[-1:] == ("[key]",):
             message = f"ids and labels must be strings; got {_kind(value)}"
 
-    if loc[:1] == ["images"] and not isinstance(value, (list, type(None))):
-        value = _short(value) if isinstance(value, str) else f"<{type(value).__name__}>"  # never echo the image
-    elif loc == ["images"] and isinstance(value, (list, tuple)):
-        value = f"<{len(value)} images>"
+    if loc[:1] in (["images"], ["videos"]):  # never echo an image or a video
+        if len(loc) == 1 and isinstance(value, (list, tuple)):
+            value = f"<{len(value)} {loc[0]}>"
+        elif isinstance(value, (list, tuple)):
+            value = f"<{len(value)} frames>"
+        elif value is not None:
+            value = _short(value) if isinstance(value, str) else f"<{type(value).__name__}>"
     safe_loc = [_short(part, limit=10**6) if isinstance(part, str) else part for part in loc]
     item: dict[str, Any] = {"type": error_type, "loc": ["body", *safe_loc], "msg": message, "input": _jsonable(value)}
     if ctx:

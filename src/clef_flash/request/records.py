@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Mapping
 
 import numpy as np
 
-from ..errors import RecordTooLong, RequestInvalid, images_unsupported
-from .images import ImageProblem, ImageProcessorConfig, preprocess_image
+from ..errors import RecordTooLong, RequestInvalid, media_unsupported
+from .images import ImageProcessorConfig, MediaProblem, preprocess_image
+from .videos import VideoProcessorConfig, preprocess_video
 from .protocol import QUESTION_TYPES
 from .tokenizer import Tokenizer
 
@@ -31,6 +34,7 @@ OPTIONS_HEADER = "\nALLOWED OPTIONS:\n"
 OPTION_END = "\n"
 FIELD_END = "END FIELD\n"
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"  # one per image, pads expanded; then MEDIA_END
+VIDEO_PLACEHOLDER = "<|vision_start|><|video_pad|><|vision_end|>"  # one per video, after the images (below)
 MEDIA_END = "\n"
 SUFFIX = "\n<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nJOINT SCHEMA DECISIONS:"
 
@@ -97,18 +101,37 @@ class EncodedQuestion:
 
 @dataclass(frozen=True, eq=False)
 class RecordMedia:
-    """A record's images, preprocessed: what the vision tower reads. Their pad tokens are in `input_ids`
-    (after the prefix, before the state, as the reference puts them), one per merged patch."""
+    """A record's images and videos, preprocessed: what the vision tower reads. Their tokens are in `input_ids`
+    (after the prefix, before the state, as the reference puts them): the images, then the videos, one pad token
+    per merged patch; a video's frame pairs each announced by their time (`media_ids`)."""
 
-    pixel_values: np.ndarray  # [patches, C * temporal_patch * patch²] float32, images in order
-    grids: tuple[tuple[int, int, int], ...]  # (t, h, w) in patches, per image
+    pixel_values: np.ndarray  # [patches, C * temporal_patch * patch²] float32: the images', then the videos'
+    grids: tuple[tuple[int, int, int], ...]  # (t, h, w) in patches, per image (t = 1), then per video (t: frame pairs)
     pad_id: int  # the image pad token
     merge: int  # spatial merge size
-    digest: str  # sha256 over the images' digests: what the state cache would key on
+    digest: str  # sha256 over the images' (and videos') digests: what the state cache keys on
+    video_pad_id: int | None = None  # the video pad token (records with videos)
+    times: tuple[tuple[float, ...], ...] = ()  # per video: the seconds announced before each frame pair
+
+    @property
+    def image_count(self) -> int:
+        return len(self.grids) - len(self.times)
+
+    @property
+    def pad_ids(self) -> frozenset[int]:
+        return frozenset(pad for pad in (self.pad_id, self.video_pad_id) if pad is not None)
 
     @property
     def tokens(self) -> int:
         return sum(t * h * w for t, h, w in self.grids) // self.merge**2
+
+    @property
+    def position_grids(self) -> tuple[tuple[int, int, int], ...]:
+        """One grid per run of pad tokens, as `get_rope_index` reads them: each image's, then each frame pair's
+        (t = 1: a video's pairs are runs of their own, between their timestamps)."""
+        images = self.grids[: self.image_count]
+        pairs = tuple((1, h, w) for t, h, w in self.grids[self.image_count :] for _ in range(t))
+        return images + pairs
 
 
 @dataclass(frozen=True)
@@ -133,13 +156,23 @@ class EncodedRecord:
 
 @lru_cache(maxsize=8)
 def _fixed_pieces(tokenizer: Tokenizer) -> dict[str, tuple[int, ...]]:
-    pieces = [PREFIX, SCHEMA_HEADER, OPTIONS_HEADER, OPTION_END, FIELD_END, SUFFIX, IMAGE_PLACEHOLDER, MEDIA_END]
+    pieces = [PREFIX, SCHEMA_HEADER, OPTIONS_HEADER, OPTION_END, FIELD_END, SUFFIX, IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, MEDIA_END]
     return {text: tuple(ids) for text, ids in zip(pieces, tokenizer.encode_batch(pieces))}
 
 
 @lru_cache(maxsize=4096)
 def _option_label_ids(tokenizer: Tokenizer, number: int) -> tuple[int, ...]:
     return tuple(tokenizer.encode(option_label(number)))
+
+
+def frame_pair_label(seconds: float) -> str:
+    """What announces a video's frame pair (Qwen3VLProcessor's `replace_video_token`)."""
+    return f"<{seconds:.1f} seconds>"
+
+
+@lru_cache(maxsize=4096)
+def _frame_pair_label_ids(tokenizer: Tokenizer, label: str) -> tuple[int, ...]:
+    return tuple(tokenizer.encode(label))
 
 
 def _as_record(request: Any) -> Mapping[str, Any]:
@@ -159,11 +192,14 @@ def encode_record(
     max_length: int = DEFAULT_MAX_LENGTH,
     truncate_state: bool = False,
     image_processor: ImageProcessorConfig | None = None,
+    video_processor: VideoProcessorConfig | None = None,
 ) -> EncodedRecord:
     """Render and tokenize one record (a validated request, or a plain dict in its shape).
 
-    A record with `images` (decoded `RequestImage`s) needs the release's `image_processor`: each image
-    becomes <|vision_start|>, one <|image_pad|> per merged patch, <|vision_end|>; then "\n", before the state.
+    A record with `images` (decoded `RequestImage`s) needs the release's `image_processor`, one with `videos`
+    (`RequestVideo`s) its `video_processor`. Before the state: each image as <|vision_start|>, one <|image_pad|>
+    per merged patch, <|vision_end|>; then each video as <|vision_start|>, for each frame pair "<t seconds>"
+    <|vision_start|> <|video_pad|>... <|vision_end|>, and <|vision_end|>; then "\n".
 
     Over `max_length` tokens the record is refused with `RecordTooLong` (token count, fixed part,
     limit), unless `truncate_state=True`, which cuts the state's tail exactly as the reference does.
@@ -205,9 +241,10 @@ def encode_record(
         spans.append((question_id, QUESTION_TYPES[question["type"]], question_span, option_spans, option_ids))
 
     prefix_ids, suffix_ids = fixed[PREFIX], fixed[SUFFIX]
-    media = _media(record.get("images"), image_processor, fixed) if record.get("images") else None
-    if media is not None:
-        prefix_ids = prefix_ids + media_ids(media, fixed)
+    media = None
+    if record.get("images") or record.get("videos"):
+        media = _media(record.get("images") or (), record.get("videos") or (), image_processor, video_processor, fixed)
+        prefix_ids = prefix_ids + media_ids(media, fixed, tokenizer)
     fixed_tokens = len(prefix_ids) + len(schema_ids) + len(suffix_ids)
     token_count = fixed_tokens + len(state_ids)
     dropped = 0
@@ -243,22 +280,25 @@ def encode_record(
 
 
 def marked_text(tokenizer: Tokenizer, record: EncodedRecord) -> str:
-    """The rendered record with every question span marked `⟦Q id:...⟧`, option span `⟦O id:...⟧` and each
-    image's pads as one mark `⟦IMAGE i: t x h x w = n tokens⟧` (what `clef-flash render` shows)."""
+    """The rendered record with every question span marked `⟦Q id:...⟧`, option span `⟦O id:...⟧`, each
+    image's pads as one mark `⟦IMAGE i: t x h x w = n tokens⟧` and each video frame pair's as `⟦VIDEO i.k: ...⟧`
+    (what `clef-flash render` shows)."""
     ids = record.input_ids
     marks: dict[int, list[str]] = {}
     skipped: set[int] = set()
     if record.media is not None:
-        pads = [position for position, token in enumerate(ids) if token == record.media.pad_id]
+        media = record.media
+        pads = [position for position, token in enumerate(ids) if token in media.pad_ids]
         runs = [[pads[0]]] if pads else []
         for position in pads[1:]:
             if position == runs[-1][-1] + 1:
                 runs[-1].append(position)
             else:
                 runs.append([position])
-        merge = record.media.merge
-        for number, (run, (t, h, w)) in enumerate(zip(runs, record.media.grids), start=1):
-            marks.setdefault(run[0], []).append(f"⟦IMAGE {number}: {t}x{h // merge}x{w // merge} = {len(run)} tokens⟧")
+        names = [f"IMAGE {number}" for number in range(1, media.image_count + 1)]
+        names += [f"VIDEO {number}.{pair}" for number, times in enumerate(media.times, 1) for pair in range(1, len(times) + 1)]
+        for name, run, (t, h, w) in zip(names, runs, media.position_grids):
+            marks.setdefault(run[0], []).append(f"⟦{name}: {t}x{h // media.merge}x{w // media.merge} = {len(run)} tokens⟧")
             marks.setdefault(run[-1] + 1, [])
         skipped = set(pads)
     for question in record.questions:
@@ -277,26 +317,64 @@ def marked_text(tokenizer: Tokenizer, record: EncodedRecord) -> str:
     return "".join(pieces)
 
 
-def _media(images: Any, config: ImageProcessorConfig | None, fixed: Mapping[str, tuple[int, ...]]) -> RecordMedia:
-    if config is None:
-        raise images_unsupported("this model source has no image processor (preprocessor_config.json): it answers text only")
-    pixels, grids = [], []
+def _media(
+    images: Any,
+    videos: Any,
+    image_config: ImageProcessorConfig | None,
+    video_config: VideoProcessorConfig | None,
+    fixed: Mapping[str, tuple[int, ...]],
+) -> RecordMedia:
+    if images and image_config is None:
+        raise media_unsupported("images", "this model source has no image processor (preprocessor_config.json): it answers text only")
+    if videos and video_config is None:
+        raise media_unsupported("videos", "this model source has no video processor (video_preprocessor_config.json): it answers no videos")
+    pixels, grids, times = [], [], []
     for index, image in enumerate(images):
-        try:
-            image_pixels, grid = preprocess_image(image.image, config)
-        except ImageProblem as problem:
-            raise RequestInvalid([{"type": problem.kind, "loc": ["body", "images", index], "msg": str(problem)}]) from None
+        with _located("images", index):
+            image_pixels, grid = preprocess_image(image.image, image_config)
         pixels.append(image_pixels)
         grids.append(grid)
-    digest = hashlib.sha256("".join(image.digest for image in images).encode()).hexdigest()
-    pad_id = fixed[IMAGE_PLACEHOLDER][1]
-    return RecordMedia(np.concatenate(pixels), tuple(grids), pad_id, config.merge_size, digest)
+    for index, video in enumerate(videos):
+        with _located("videos", index):
+            processed = preprocess_video(video, video_config)
+        pixels.append(processed.pixel_values)
+        grids.append(processed.grid)
+        times.append(processed.times)
+    digest = hashlib.sha256("".join(image.digest for image in images).encode())
+    if videos:
+        digest.update(("videos:" + "".join(video.digest for video in videos)).encode())
+    merge = (video_config.frames if videos else image_config).merge_size
+    return RecordMedia(
+        np.concatenate(pixels),
+        tuple(grids),
+        fixed[IMAGE_PLACEHOLDER][1],
+        merge,
+        digest.hexdigest(),
+        video_pad_id=fixed[VIDEO_PLACEHOLDER][1],
+        times=tuple(times),
+    )
 
 
-def media_ids(media: RecordMedia, fixed: Mapping[str, tuple[int, ...]]) -> tuple[int, ...]:
-    """The tokens of a record's images: per image start, pads (one per merged patch), end; then "\n"."""
-    start, pad, end = fixed[IMAGE_PLACEHOLDER]
+@contextmanager
+def _located(field: str, index: int) -> Iterator[None]:
+    """A media problem found while preprocessing, as the 422 item of `["body", field, index]`."""
+    try:
+        yield
+    except MediaProblem as problem:
+        raise RequestInvalid([{"type": problem.kind, "loc": ["body", field, index], "msg": str(problem)}]) from None
+
+
+def media_ids(media: RecordMedia, fixed: Mapping[str, tuple[int, ...]], tokenizer: Tokenizer) -> tuple[int, ...]:
+    """The tokens of a record's images and videos: per image start, pads (one per merged patch), end; per video
+    start, for each frame pair its time, start, pads, end, and end; then "\n"."""
+    start, image_pad, end = fixed[IMAGE_PLACEHOLDER]
     ids: list[int] = []
-    for t, h, w in media.grids:
-        ids += [start, *[pad] * (t * h * w // media.merge**2), end]
+    for t, h, w in media.grids[: media.image_count]:
+        ids += [start, *[image_pad] * (t * h * w // media.merge**2), end]
+    video_pad = fixed[VIDEO_PLACEHOLDER][1]
+    for (t, h, w), times in zip(media.grids[media.image_count :], media.times):
+        ids.append(start)
+        for seconds in times:
+            ids += [*_frame_pair_label_ids(tokenizer, frame_pair_label(seconds)), start, *[video_pad] * (h * w // media.merge**2), end]
+        ids.append(end)
     return (*ids, *fixed[MEDIA_END])

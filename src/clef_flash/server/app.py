@@ -66,6 +66,8 @@ WORKERS_AI_MODEL = "@cf/cloudflare/clef-flash"
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 # A body with images may be larger: the hosted 8 MiB of images as base64 (4/3) plus a text body.
 DEFAULT_MAX_IMAGE_BODY_BYTES = 12 << 20
+# A body with videos: 16 MiB of videos as base64 (21.3 MiB), the images' 10.7 MiB and a text body.
+DEFAULT_MAX_VIDEO_BODY_BYTES = 34 << 20
 REQUEST_ID_HEADERS = ("x-request-id", "x-typesafe-request-id")  # ours; the one typesafe-sdk reads
 WARM_UP_REQUEST = {
     "state": "warm-up",
@@ -78,6 +80,7 @@ class ServerSettings:
     api_key: str | None = None  # when set, a matching `Authorization: Bearer` is required
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # on the wire and after decompression
     max_image_body_bytes: int = DEFAULT_MAX_IMAGE_BODY_BYTES  # the same, for a body whose request has images
+    max_video_body_bytes: int = DEFAULT_MAX_VIDEO_BODY_BYTES  # the same, for a body whose request has videos
     batch_tokens: int | None = None  # padded tokens per batch; None: the model's batch_tokens
     batch_wait_ms: float = 5.0  # how long the oldest queued record waits for company
     max_batch: int = 64  # records per batch
@@ -85,7 +88,7 @@ class ServerSettings:
     retry_after_s: int = 1
     warm_up: bool = True
     # Bodies being read, decompressed, parsed and tokenized at once (429 beyond): what bounds memory.
-    max_parsing_bytes: int = 2 * DEFAULT_MAX_IMAGE_BODY_BYTES  # at least twice the body limits (raw + decompressed)
+    max_parsing_bytes: int = 2 * DEFAULT_MAX_VIDEO_BODY_BYTES  # at least twice the body limits (raw + decompressed)
     max_parsing: int = 32  # requests
     request_timeout_s: float = 300.0  # the longest a request waits for the model (then 503)
     # Deadlines of the uvicorn transport (transport.py; not enforced under other ASGI servers):
@@ -98,10 +101,14 @@ class ServerSettings:
     def __post_init__(self) -> None:
         if self.max_image_body_bytes < self.max_body_bytes:
             raise ValueError(f"max_image_body_bytes ({self.max_image_body_bytes}) must be at least max_body_bytes ({self.max_body_bytes})")
-        if self.max_parsing_bytes < 2 * self.max_image_body_bytes:
+        if self.max_video_body_bytes < self.max_image_body_bytes:
             raise ValueError(
-                f"max_parsing_bytes ({self.max_parsing_bytes}) must be at least twice max_image_body_bytes "
-                f"({self.max_image_body_bytes}): a compressed body is held with its decompressed copy"
+                f"max_video_body_bytes ({self.max_video_body_bytes}) must be at least max_image_body_bytes ({self.max_image_body_bytes})"
+            )
+        if self.max_parsing_bytes < 2 * self.max_video_body_bytes:
+            raise ValueError(
+                f"max_parsing_bytes ({self.max_parsing_bytes}) must be at least twice max_video_body_bytes "
+                f"({self.max_video_body_bytes}): a compressed body is held with its decompressed copy"
             )
         if min(self.request_timeout_s, self.header_timeout_s, self.body_timeout_s, self.shutdown_timeout_s) <= 0:
             raise ValueError("the timeouts must be positive")
@@ -285,7 +292,12 @@ class SystemOneServer:
     def routes(self) -> list[Route]:
         run = "/accounts/{account}/ai/run/"
         cloudflare = f"Workers AI: run {WORKERS_AI_MODEL}"
-        rules = {"description": schemas.request_rules(self.settings.max_body_bytes, self.model.max_length)}
+        settings = self.settings
+        rules = {
+            "description": schemas.request_rules(
+                settings.max_body_bytes, self.model.max_length, settings.max_image_body_bytes, settings.max_video_body_bytes
+            )
+        }
         return [
             Route("/v1/systemone", "POST", self.systemone, "Answer a System One request", openapi={**schemas.SYSTEMONE, **rules}),
             Route("/v1/sets/{name}", "POST", self.question_set, "Ask a saved question set about a state", openapi={**schemas.QUESTION_SET, **rules}),
@@ -404,10 +416,18 @@ class SystemOneServer:
 
     def prepare(self, raw: bytes) -> Prepared:
         """Parse, check the model name and encode; raises RequestInvalid (422). Only a request with images may
-        pass the text body limit (up to max_image_body_bytes): 413 otherwise."""
+        pass the text body limit (up to max_image_body_bytes), and one with videos the image limit (up to
+        max_video_body_bytes): 413 otherwise."""
         parsed = parse_request_json(raw, self.request_type)  # `model`: one of the served names
-        if len(raw) > self.settings.max_body_bytes and not parsed.images:
-            raise body_too_large(self.settings.max_body_bytes, f"{len(raw)} bytes without images are")
+        settings = self.settings
+        if parsed.videos:
+            limit, what = settings.max_video_body_bytes, "with videos"
+        elif parsed.images:
+            limit, what = settings.max_image_body_bytes, "with images and without videos"
+        else:
+            limit, what = settings.max_body_bytes, "without images"
+        if len(raw) > limit:
+            raise body_too_large(limit, f"{len(raw)} bytes {what} are")
         return self.model.prepare(parsed)  # RecordTooLong: token count and limit, before inference
 
     def prepare_set(self, name: str, raw: bytes) -> Prepared:
@@ -444,7 +464,7 @@ class SystemOneServer:
             raise _unavailable("the server is shutting down", retry_after)
         check_content_type(request.headers.get("content-type"))
         with self.parse_budget.reserve() as reservation:  # 429 past the bytes or requests being parsed
-            raw = await read_body(request, self.settings.max_image_body_bytes, reservation)
+            raw = await read_body(request, self.settings.max_video_body_bytes, reservation)  # the largest limit
             prepared = await run_in_threadpool(prepare, raw)  # tokenizing a 1 MiB state takes a while
             del raw
         try:

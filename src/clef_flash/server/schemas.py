@@ -184,7 +184,7 @@ METRICS: dict[str, Any] = {
 }
 
 
-def request_rules(max_body_bytes: int, max_length: int) -> str:
+def request_rules(max_body_bytes: int, max_length: int, max_image_body_bytes: int, max_video_body_bytes: int) -> str:
     """The rules a System One body must follow that its JSON schema cannot state, with their statuses
     (a route's description in the OpenAPI document)."""
     return f"""\
@@ -193,7 +193,10 @@ Beyond it:
 
 - **Tokens**: the rendered record (prompt, state and every question) must fit {max_length:,} tokens;
   longer ones are refused before inference with 422 `record_too_long` (never truncated).
-- **Size**: at most {max_body_bytes:,} bytes on the wire and again after `Content-Encoding` (zstd, gzip): 413.
+- **Size**: at most {max_body_bytes:,} bytes on the wire and again after `Content-Encoding` (zstd, gzip), a
+  body with images {max_image_body_bytes:,}, one with videos {max_video_body_bytes:,}: 413.
+- **Media**: an image's or a video's base64 must decode to one of its type (a list's frames of one size), the
+  images and videos together within their bytes: 422 naming the item (`["body", "videos", 0]`).
 - **Content-Type**: `application/json` (or `+json`) or none; anything else 415.
 - **Text**: every string must be valid Unicode (a `\\ud800`-style lone surrogate escape: 422
   `string_unicode`); integers have at most {sys.get_int_max_str_digits():,} digits (422 `integer_too_long`);
