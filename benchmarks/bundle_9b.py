@@ -2,6 +2,7 @@
 
     python benchmarks/bundle_9b.py [--dir runs] [--config 9b] [--precision default] [--answer-from bundle]
     python benchmarks/bundle_9b.py --answer-from release    # the release itself, no conversion (issue 25)
+    python benchmarks/bundle_9b.py --memory-gb 11           # the default as an 11 GB machine picks it (W8A8 compact)
 
 Writes `DIR/release-9b` (32 layers, hidden 4096, vocabulary 248,320: about 19 GB of bf16, generated, never
 committed) unless it is there, converts it to `DIR/bundle-9b` as `clef-flash convert` does (calibrated on
@@ -52,6 +53,7 @@ def main() -> None:
     parser.add_argument("--config", default="9b", help="random config name (9b; 9b-part for a quicker run)")
     parser.add_argument("--precision", default="default", help="default (this machine's), int8-weight-only or int8-w8a8")
     parser.add_argument("--answer-from", choices=("bundle", "release"), default="bundle")
+    parser.add_argument("--memory-gb", type=float, help="choose the default as on a machine with this much memory available")
     args = parser.parse_args()
     base = Path(args.dir).resolve()
     release, bundle = base / f"release-{args.config}", base / f"bundle-{args.config}"
@@ -90,6 +92,8 @@ def main() -> None:
         start = time.perf_counter()
         import clef_flash
         from common import typical_request
+        if {args.memory_gb!r} is not None:  # the default as a machine with this much memory available chooses it
+            clef_flash.plan.available_memory_bytes = lambda: int({args.memory_gb!r} * 1e9)
         model = clef_flash.load({str(answered)!r}, device="cpu", precision={precision!r})
         ready = time.perf_counter() - start
         request = typical_request()
