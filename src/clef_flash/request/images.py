@@ -5,11 +5,13 @@ the server fetches nothing on a caller's behalf); in Python also PIL images, byt
 plain string is never read as a path, so a body cannot name a file on the server). Limits as the hosted API:
 at most 4 images, 4 MiB each and 8 MiB together (decoded bytes), 16 megapixels each.
 
-Preprocessing is the release's `preprocessor_config.json` exactly as transformers' `Qwen2VLImageProcessorPil`
-(what `AutoProcessor` gives for a Qwen3.5 release without torchvision) computes it, with Pillow and numpy:
-RGB (alpha composited over white) -> `smart_resize` to multiples of patch x merge within [shortest_edge,
-longest_edge] pixels -> Pillow bicubic resize -> x/255 in float64, then float32 -> (x - mean) / std ->
-patches [N, C * temporal_patch * patch²] in merge-block order, the frame repeated over the temporal patch.
+Preprocessing is the release's `preprocessor_config.json` exactly as transformers' `Qwen2VLImageProcessor` (the
+torchvision backend: what `AutoProcessor` gives for a Qwen3.5 release where torchvision is installed, as it is with
+the reference's dependencies) computes it: RGB (alpha composited over white with Pillow, `convert_to_rgb`) ->
+`smart_resize` to multiples of patch x merge within [shortest_edge, longest_edge] pixels -> torch's antialiased
+bicubic on the uint8 pixels (torchvision's CPU kernel) -> (x - 255 mean) / (255 std) in float32 -> patches
+[N, C * temporal_patch * patch²] in merge-block order, the frame repeated over the temporal patch. The resize,
+normalization and patches are the ones the video processor uses (request/videos.py).
 """
 
 from __future__ import annotations
@@ -184,10 +186,11 @@ class ImageProcessorConfig:
     image_mean: tuple[float, ...] = (0.48145466, 0.4578275, 0.40821073)
     image_std: tuple[float, ...] = (0.26862954, 0.26130258, 0.27577711)
     rescale_factor: float = 1 / 255
-    resample: int = 3  # PIL bicubic
+    resample: int = 3  # bicubic (PIL's number), the only one supported
 
     @classmethod
-    def from_dict(cls, config: Mapping[str, Any]) -> ImageProcessorConfig:
+    def from_dict(cls, config: Mapping[str, Any], name: str = "preprocessor_config.json") -> ImageProcessorConfig:
+        """The keys of `config` (the file `name`, for errors); only bicubic resizing, as the processors' default."""
         size = config.get("size") or {}
         kwargs: dict[str, Any] = {}
         for key, source in (("min_pixels", size.get("shortest_edge")), ("max_pixels", size.get("longest_edge"))):
@@ -204,7 +207,9 @@ class ImageProcessorConfig:
             kwargs["rescale_factor"] = float(config["rescale_factor"])
         for flag in ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb"):
             if config.get(flag) is False:
-                raise ValueError(f"preprocessor_config.json: {flag}=false is not supported")
+                raise ValueError(f"{name}: {flag}=false is not supported")
+        if kwargs.get("resample", 3) != 3:
+            raise ValueError(f"{name}: resample={kwargs['resample']} is not supported (only bicubic, 3)")
         return cls(**kwargs)
 
     @property
@@ -240,19 +245,43 @@ def to_rgb(image: Any) -> Any:
 
 def preprocess_image(image: Any, config: ImageProcessorConfig) -> tuple[np.ndarray, tuple[int, int, int]]:
     """One PIL image -> (pixel_values [h*w, C*T*p*p] float32, grid (1, h, w) in patches)."""
-    rgb = to_rgb(image)
-    width, height = rgb.size
-    resized_height, resized_width = smart_resize(height, width, config.factor, config.min_pixels, config.max_pixels)
-    resized = rgb.resize((resized_width, resized_height), resample=config.resample)
-    pixels = np.moveaxis(np.array(resized), -1, 0)  # [C, H, W] uint8
-    pixels = (pixels.astype(np.float64) * config.rescale_factor).astype(np.float32)
-    mean = np.array(config.image_mean, dtype=np.float32)
-    std = np.array(config.image_std, dtype=np.float32)
-    pixels = ((pixels.T - mean) / std).T
+    import torch
+
+    pixels = torch.from_numpy(np.array(to_rgb(image))).permute(2, 0, 1)  # [C, H, W] uint8
+    size = smart_resize(*pixels.shape[-2:], config.factor, config.min_pixels, config.max_pixels)
+    patches, grid = patchify(normalize(resize(pixels[None], size), config), config)
+    return patches.numpy(), grid
+
+
+def resize(frames: Any, size: tuple[int, int]) -> Any:
+    """Frames [T, C, H, W] -> [T, C, *size] as torchvision's `resize` (bicubic, antialiased) does on CPU: torch's
+    own kernel, on uint8 as it comes (or float); the frames as they are when they have that size."""
+    import torch.nn.functional as F
+
+    if tuple(frames.shape[-2:]) == tuple(size):
+        return frames
+    return F.interpolate(frames.contiguous(), size=list(size), mode="bicubic", align_corners=False, antialias=True)
+
+
+def normalize(frames: Any, config: ImageProcessorConfig) -> Any:
+    """Rescale and normalize fused, as transformers' torchvision backend does: (x - 255 mean) / (255 std) in float32."""
+    import torch
+
+    mean = (torch.tensor(config.image_mean) * (1.0 / config.rescale_factor)).view(-1, 1, 1)
+    std = (torch.tensor(config.image_std) * (1.0 / config.rescale_factor)).view(-1, 1, 1)
+    return (frames.float() - mean) / std
+
+
+def patchify(frames: Any, config: ImageProcessorConfig) -> tuple[Any, tuple[int, int, int]]:
+    """Normalized frames [T, C, H, W] -> (patches [t * h * w, C * temporal_patch * p²], grid (t, h, w)) in (temporal
+    patch, merge block) order; the last frame repeated to whole temporal patches (an image: its one frame, t times)."""
+    import torch
+
     p, m, t = config.patch_size, config.merge_size, config.temporal_patch_size
-    channels = pixels.shape[0]
-    grid_h, grid_w = resized_height // p, resized_width // p
-    patches = pixels.reshape(channels, grid_h // m, m, p, grid_w // m, m, p)
-    patches = patches.transpose(1, 4, 2, 5, 0, 3, 6)  # [h/m, w/m, m, m, C, p, p]: merge-block order
-    patches = np.broadcast_to(patches[:, :, :, :, :, None], (*patches.shape[:5], t, p, p))  # the frame, t times
-    return np.ascontiguousarray(patches.reshape(grid_h * grid_w, channels * t * p * p)), (1, grid_h, grid_w)
+    if pad := -len(frames) % t:
+        frames = torch.cat([frames, frames[-1:].expand(pad, -1, -1, -1)])
+    T, C, H, W = frames.shape
+    grid = (T // t, H // p, W // p)
+    patches = frames.reshape(grid[0], t, C, grid[1] // m, m, p, grid[2] // m, m, p)
+    patches = patches.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)  # [t, h/m, w/m, m, m, C, T_patch, p, p]
+    return patches.reshape(grid[0] * grid[1] * grid[2], C * t * p * p), grid

@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from .images import DataUris, ImageProcessorConfig, MediaProblem, RequestImage, decode_image, encoded_bytes
+from .images import DataUris, ImageProcessorConfig, MediaProblem, RequestImage, decode_image, encoded_bytes, normalize, patchify, resize
 
 MAX_VIDEOS = 4
 MAX_VIDEO_BYTES = 16 * 1024 * 1024
@@ -200,11 +200,9 @@ class VideoProcessorConfig:
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any]) -> VideoProcessorConfig:
-        if config.get("resample", 3) != 3:
-            raise ValueError(f"video_preprocessor_config.json: resample={config['resample']} is not supported (only bicubic, 3)")
         if config.get("do_center_crop"):
             raise ValueError("video_preprocessor_config.json: do_center_crop=true is not supported")
-        kwargs: dict[str, Any] = {"frames": ImageProcessorConfig.from_dict({**VIDEO_PROCESSOR_DEFAULTS, **config})}
+        kwargs: dict[str, Any] = {"frames": ImageProcessorConfig.from_dict({**VIDEO_PROCESSOR_DEFAULTS, **config}, "video_preprocessor_config.json")}
         for key in ("fps", "num_frames", "min_frames", "max_frames", "do_sample_frames", "cap_pixels_per_frame", "max_video_tokens"):
             if key in config and (config[key] is not None or key in ("fps", "num_frames")):
                 kwargs[key] = config[key]
@@ -277,22 +275,12 @@ def preprocess_video(video: RequestVideo, config: VideoProcessorConfig) -> Prepr
     if video.frames is not None:
         frames = _list_frames(video.frames, indices)  # [T, C, H, W]
         size = _resized_size(len(frames), *frames.shape[-2:], config)
-        frames = _resize(frames, size)
+        frames = resize(frames, size)
     else:
         frames = torch.stack(list(_file_frames(video, indices, config)))
-    # Rescale and normalize fused, as transformers does: (x - 255 mean) / (255 std) in float32.
-    mean = (torch.tensor(pixels.image_mean) * (1.0 / pixels.rescale_factor)).view(-1, 1, 1)
-    std = (torch.tensor(pixels.image_std) * (1.0 / pixels.rescale_factor)).view(-1, 1, 1)
-    frames = (frames.float() - mean) / std  # float32, as transformers normalizes
-    p, m, t = pixels.patch_size, pixels.merge_size, pixels.temporal_patch_size
-    if pad := -len(frames) % t:
-        frames = torch.cat([frames, frames[-1:].expand(pad, -1, -1, -1)])
-    T, C, H, W = frames.shape
-    grid = (T // t, H // p, W // p)
-    patches = frames.reshape(grid[0], t, C, grid[1] // m, m, p, grid[2] // m, m, p)
-    patches = patches.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)  # [t, h/m, w/m, m, m, C, T_patch, p, p]
-    times = [float(time) for time in frame_pair_times(indices, rate, t)[: grid[0]]]
-    return PreprocessedVideo(patches.reshape(grid[0] * grid[1] * grid[2], C * t * p * p).numpy(), grid, tuple(times))
+    patches, grid = patchify(normalize(frames, pixels), pixels)
+    times = [float(time) for time in frame_pair_times(indices, rate, pixels.temporal_patch_size)[: grid[0]]]
+    return PreprocessedVideo(patches.numpy(), grid, tuple(times))
 
 
 def _resized_size(frames: int, height: int, width: int, config: VideoProcessorConfig) -> tuple[int, int]:
@@ -305,15 +293,6 @@ def _resized_size(frames: int, height: int, width: int, config: VideoProcessorCo
     return smart_resize_video(
         frames, height, width, temporal_factor=pixels.temporal_patch_size, factor=factor, min_pixels=pixels.min_pixels, max_pixels=max_pixels
     )
-
-
-def _resize(frames: Any, size: tuple[int, int]) -> Any:
-    """torchvision's `resize` (bicubic, antialiased) on CPU: torch's own kernel, on uint8 as it comes, or float."""
-    import torch.nn.functional as F
-
-    if tuple(frames.shape[-2:]) == size:
-        return frames
-    return F.interpolate(frames.contiguous(), size=list(size), mode="bicubic", align_corners=False, antialias=True)
 
 
 def _list_frames(frames: Sequence[RequestImage], indices: np.ndarray) -> Any:
@@ -354,6 +333,6 @@ def _file_frames(video: RequestVideo, indices: np.ndarray, config: VideoProcesso
                 size = _resized_size(len(wanted), *first, config)
             elif tuple(pixels.shape[-2:]) != first:
                 raise MediaProblem("video_undecodable", f"the video's frame size changes at frame {index}")
-            yield _resize(pixels[None], size)[0]
+            yield resize(pixels[None], size)[0]
     if decoded <= indices[-1]:
         raise MediaProblem("video_undecodable", f"the video ended after {decoded} frames; its stream says {video.frame_count}")
