@@ -85,6 +85,86 @@ def vision_release(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def reference_oracle(tmp_path_factory):
+    """`run(release, records)`: the reference (SPEC §8) with the release's `AutoProcessor` as the reference's own
+    dependencies install it (torchvision's image and video processors), fp32, on `records` ({"state", "questions",
+    "images": [path, ...], "videos": [[frame path, ...] or a file's path, ...]}): per record its outputs (input_ids,
+    spans, grids, logits, the processor classes) and its pixel values by key. It runs in a venv of its own (torchvision
+    does not import beside this torch 2.13: `.ci/oracle-venv`, torch 2.14.1 + torchvision 0.29.1), named by
+    CLEF_FLASH_ORACLE_PYTHON, as a subprocess (tests/oracle/reference.py) through a temp dir; CI builds it and sets the
+    variable; where it is unset (a dev machine) the test skips, saying so."""
+    import json
+    import subprocess
+
+    import numpy as np
+
+    python = os.environ.get("CLEF_FLASH_ORACLE_PYTHON")
+    script = Path(__file__).parent / "oracle" / "reference.py"
+
+    def run(release: Path, records: list[dict]) -> list[tuple[dict, dict]]:
+        if not python:
+            pytest.skip(
+                "CLEF_FLASH_ORACLE_PYTHON is not set: the media oracle (the reference with the release's AutoProcessor) "
+                "needs its own venv with torchvision (.ci/oracle-venv DIR .venv/bin/python; CI builds it and sets the variable)"
+            )
+        workdir = tmp_path_factory.mktemp("oracle")
+        (workdir / "spec.json").write_text(json.dumps({"release": str(release), "records": records}))
+        done = subprocess.run([python, str(script), str(workdir)], capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, f"the media oracle failed:\n{done.stderr[-4000:]}"
+        out = []
+        for index in range(len(records)):
+            keys = ("pixel_values", "pixel_values_videos")
+            pixels = {key: np.load(path) for key in keys if (path := workdir / f"record{index}_{key}.npy").is_file()}
+            out.append((json.loads((workdir / f"record{index}.json").read_text()), pixels))
+        return out
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def oracle_parity():
+    """`check(model, request, expected)`: `model`'s record and fp32 logits for `request` against the reference
+    oracle's `expected` (one of `reference_oracle`'s outputs): token ids, spans and grids identical, images' and
+    videos' pixel values within 1e-6, the same decisions and logits within 1e-5 relative; returns a line of the
+    figures."""
+    import numpy as np
+    import torch
+
+    def check(model, request: dict, expected: tuple[dict, dict]) -> str:
+        outputs, ref_pixels = expected
+        assert outputs["processors"][0] == "Qwen2VLImageProcessor", outputs["processors"]  # torchvision's, not the PIL one
+        ours = model.encode(request)
+        assert ours.input_ids == tuple(outputs["input_ids"])
+        assert [list(q.question_span) for q in ours.questions] == outputs["question_spans"]
+        assert [[list(span) for span in q.option_spans] for q in ours.questions] == outputs["option_spans"]
+        grids = [list(grid) for grid in ours.media.grids]
+        assert grids == outputs["image_grid_thw"] + outputs["video_grid_thw"]
+        image_patches = sum(t * h * w for t, h, w in ours.media.grids[: ours.media.image_count])
+        parts = {"pixel_values": ours.media.pixel_values[:image_patches], "pixel_values_videos": ours.media.pixel_values[image_patches:]}
+        pixel_error = 0.0
+        for key, part in parts.items():
+            if key in ref_pixels or len(part):
+                assert part.shape == ref_pixels[key].shape, key
+                pixel_error = max(pixel_error, float(np.abs(part - ref_pixels[key]).max()))
+        logits = model.logits(request)
+        worst = 0.0
+        for question_id, options in outputs["logits"].items():
+            want = torch.tensor(list(options.values()), dtype=torch.float64)
+            have = torch.tensor([logits[question_id][option] for option in options], dtype=torch.float64)
+            worst = max(worst, ((have - want).abs().max() / want.abs().max()).item())
+            assert max(options, key=options.get) == max(logits[question_id], key=logits[question_id].get)
+        line = (
+            f"{len(ours.input_ids)} tokens ({ours.media.tokens} image/video), grids {grids}, |pixel_values - ref| "
+            f"{pixel_error:.1e}, logits rel {worst:.1e} (oracle processors {outputs['processors']})"
+        )
+        assert pixel_error <= 1e-6, line
+        assert worst <= 1e-5, line
+        return line
+
+    return check
+
+
+@pytest.fixture(scope="session")
 def segments_error():
     """`error(model, request, segment_tokens)`: the largest relative difference between a request's logits run in
     segments of `segment_tokens` and in one pass (the state cache cleared before each)."""

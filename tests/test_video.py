@@ -4,11 +4,8 @@ the API and the server, the server's body limit for videos, the state cache, the
 carries the vision tower.
 
 The oracle is the reference (`joint_schema_model.py`, SPEC §8) on transformers' `Qwen3_5ForConditionalGeneration`,
-fp32, with the release's `AutoProcessor`. Its video processor (`Qwen3VLVideoProcessor`) needs torchvision, which does
-not import beside this venv's torch 2.13: the oracle runs in a venv of its own (`.ci/oracle-venv`: torch 2.14.1,
-torchvision 0.29.1, this venv's transformers, Pillow and PyAV), named by CLEF_FLASH_ORACLE_PYTHON, as a subprocess
-(tests/oracle/video_reference.py) reading its inputs from and writing its outputs to a temp dir. CI builds that venv
-and sets the variable; where it is unset (a dev machine) the parity test is skipped, saying so.
+fp32, with the release's `AutoProcessor` (torchvision's video and image processors), in a venv of its own: the
+`reference_oracle` fixture (tests/conftest.py; skipped, saying so, where CLEF_FLASH_ORACLE_PYTHON is unset).
 """
 
 from __future__ import annotations
@@ -16,9 +13,6 @@ from __future__ import annotations
 import base64
 import io
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -32,8 +26,6 @@ from clef_flash.errors import RecordTooLong, RequestInvalid
 Image = pytest.importorskip("PIL.Image")
 av = pytest.importorskip("av")
 
-ORACLE_PYTHON = os.environ.get("CLEF_FLASH_ORACLE_PYTHON")
-ORACLE_SCRIPT = Path(__file__).parent / "oracle" / "video_reference.py"
 MAX_IMAGE_PIXELS = 512 * 512  # as tests/test_vision.py: the test release keeps images small
 # and videos: 24,000 pixels of frames (the real release: 25 MP), so that the clip and the second list are resized
 # down by that budget, as a long clip is by the real one
@@ -142,13 +134,7 @@ def request_of(case: str, media) -> dict:
 
 
 @pytest.fixture(scope="module")
-def oracle(release, media, tmp_path_factory) -> dict[str, tuple[dict, dict[str, np.ndarray]]]:
-    if not ORACLE_PYTHON:
-        pytest.skip(
-            "CLEF_FLASH_ORACLE_PYTHON is not set: the video oracle needs its own venv with torchvision "
-            "(.ci/oracle-venv DIR .venv/bin/python; CI builds it and sets the variable)"
-        )
-    workdir = tmp_path_factory.mktemp("oracle")
+def oracle(release, media, reference_oracle) -> dict[str, tuple[dict, dict[str, np.ndarray]]]:
     records = []
     for case in CASES:
         state, images, videos = CASES[case]
@@ -160,14 +146,7 @@ def oracle(release, media, tmp_path_factory) -> dict[str, tuple[dict, dict[str, 
                 "videos": [[str(path) for path in media[name]] if isinstance(media[name], list) else str(media[name]) for name in videos],
             }
         )
-    (workdir / "spec.json").write_text(json.dumps({"release": str(release), "image_backend": "pil", "records": records}))
-    done = subprocess.run([ORACLE_PYTHON, str(ORACLE_SCRIPT), str(workdir)], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"the video oracle failed:\n{done.stderr[-4000:]}"
-    out = {}
-    for index, case in enumerate(CASES):
-        pixels = {key: np.load(path) for key in ("pixel_values", "pixel_values_videos") if (path := workdir / f"record{index}_{key}.npy").is_file()}
-        out[case] = (json.loads((workdir / f"record{index}.json").read_text()), pixels)
-    return out
+    return dict(zip(CASES, reference_oracle(release, records)))
 
 
 def relative_error(got: dict, expected: dict) -> float:
@@ -180,31 +159,8 @@ def relative_error(got: dict, expected: dict) -> float:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_parity_with_the_reference(clef, media, oracle, case):
-    expected, ref_pixels = oracle[case]
-    request = request_of(case, media)
-    ours = clef.encode(request)
-    assert ours.input_ids == tuple(expected["input_ids"])
-    assert [list(q.question_span) for q in ours.questions] == expected["question_spans"]
-    assert [[list(span) for span in q.option_spans] for q in ours.questions] == expected["option_spans"]
-    grids = [list(grid) for grid in ours.media.grids]
-    assert grids == expected["image_grid_thw"] + expected["video_grid_thw"]
-    image_patches = sum(t * h * w for t, h, w in ours.media.grids[: ours.media.image_count])
-    pixel_error = 0.0
-    for ours_part, key in ((ours.media.pixel_values[:image_patches], "pixel_values"), (ours.media.pixel_values[image_patches:], "pixel_values_videos")):
-        if key in ref_pixels or len(ours_part):
-            assert ours_part.shape == ref_pixels[key].shape
-            pixel_error = max(pixel_error, float(np.abs(ours_part - ref_pixels[key]).max()))
-    logits = clef.logits(request)
-    worst = relative_error(logits, expected["logits"])
-    for question_id, options in expected["logits"].items():
-        assert max(options, key=options.get) == max(logits[question_id], key=logits[question_id].get)
-    print(
-        f"{case}: {len(ours.input_ids)} tokens ({ours.media.tokens} image/video), grids {grids}, "
-        f"|pixel_values - ref| {pixel_error:.1e}, logits rel {worst:.1e} (oracle processors {expected['processors']})"
-    )
-    assert pixel_error <= 1e-6
-    assert worst <= 1e-5
+def test_parity_with_the_reference(clef, media, oracle, oracle_parity, case):
+    print(f"{case}: {oracle_parity(clef, request_of(case, media), oracle[case])}")
 
 
 def test_python_forms_give_the_same_record(clef, media):

@@ -1,20 +1,20 @@
-"""The video oracle: the reference (clef-finetune's joint_schema_model.py, SPEC §8) on records with videos, run in
-the oracle venv (.ci/oracle-venv: torchvision, which transformers' video processor needs) by tests/test_video.py.
+"""The media oracle: the reference (clef-finetune's joint_schema_model.py, SPEC §8) on records with images and videos,
+with the release's `AutoProcessor` as the reference's own dependencies install it (with torchvision: transformers'
+torchvision image processor, `Qwen2VLImageProcessor`, and its video processor), run in the oracle venv
+(.ci/oracle-venv) by the `reference_oracle` fixture (tests/conftest.py) for tests/test_vision.py and tests/test_video.py.
 
-    python video_reference.py WORKDIR
+    python reference.py WORKDIR
 
-reads WORKDIR/spec.json: {"release": DIR, "image_backend": "pil" | "torchvision", "records": [{"state", "questions",
-"images": [PNG path, ...], "videos": [[frame PNG path, ...] or a video file's path, ...]}, ...]} and writes, per
-record i, WORKDIR/record{i}.json (input_ids, spans, grids, logits, the processor classes) and its pixel values as
-record{i}_pixel_values.npy / record{i}_pixel_values_videos.npy.
+reads WORKDIR/spec.json: {"release": DIR, "records": [{"state", "questions", "images": [PNG path, ...], "videos":
+[[frame PNG path, ...] or a video file's path, ...]}, ...]} and writes, per record i, WORKDIR/record{i}.json
+(input_ids, spans, grids, logits, the processor classes) and its pixel values as record{i}_pixel_values.npy /
+record{i}_pixel_values_videos.npy.
 
-The processor is the release's `AutoProcessor`, fp32 model as `load_release_model` builds it, with two choices:
-- a video file is given to the processor as its path; the processor decodes paths with torchcodec, which needs
-  FFmpeg's shared libraries on the system, so its decoder is transformers' own PyAV reader (`read_video_pyav`);
-  sampling, metadata and everything after are the processor's.
-- images: `image_backend` "pil" swaps in the release's image processor on transformers' PIL backend (what
-  clef-flash reproduces, tests/test_vision.py); "torchvision" keeps AutoProcessor's default here.
-Imports nothing of clef-flash: this venv's torch is not the project's.
+The processor is the release's `AutoProcessor`, fp32 model as `load_release_model` builds it, with one choice: a
+video file is given to the processor as its path; the processor decodes paths with torchcodec, which needs FFmpeg's
+shared libraries on the system, so its decoder is transformers' own PyAV reader (`read_video_pyav`); sampling,
+metadata and everything after are the processor's. Imports nothing of clef-flash: this venv's torch is not the
+project's.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from PIL import Image
 from safetensors.torch import load_file
-from transformers import AutoImageProcessor, AutoProcessor, Qwen3_5ForConditionalGeneration
+from transformers import AutoProcessor, Qwen3_5ForConditionalGeneration
 from transformers import video_processing_utils, video_utils
 
 from clef_finetune._vendor import joint_schema_model as jsm
@@ -45,8 +45,6 @@ def main(workdir: Path) -> None:
     release = Path(spec["release"])
     use_pyav_for_paths()
     processor = AutoProcessor.from_pretrained(release)
-    if spec.get("image_backend", "pil") == "pil":
-        processor.image_processor = AutoImageProcessor.from_pretrained(release, backend="pil")
     backbone = Qwen3_5ForConditionalGeneration.from_pretrained(release, dtype=torch.float32)
     head = jsm.JointSchemaHead(**json.loads((release / "joint_head_config.json").read_text()))
     head.load_state_dict(load_file(release / "joint_head.safetensors"), strict=True)
