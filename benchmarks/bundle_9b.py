@@ -93,6 +93,7 @@ def main() -> None:
         import clef_flash
         from common import typical_request
         if {args.memory_gb!r} is not None:  # the default as a machine with this much memory available chooses it
+            import clef_flash.plan
             clef_flash.plan.available_memory_bytes = lambda: int({args.memory_gb!r} * 1e9)
         model = clef_flash.load({str(answered)!r}, device="cpu", precision={precision!r})
         ready = time.perf_counter() - start
