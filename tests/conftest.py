@@ -185,6 +185,33 @@ def segments_error():
 
 
 @pytest.fixture(scope="session")
+def kept_state_error():
+    """`error(model, first, second, third)`: `second` asks other questions of `first`'s state and media, `third` the
+    same state with other media of the same sizes. Scored together, only `second` may continue `first`'s kept
+    state (asserted); returns the largest relative difference of `second` and `third` from each run alone."""
+    from clef_flash.engine.backend import Timings
+
+    def error(model, first: dict, second: dict, third: dict) -> float:
+        records = [model.encode(request) for request in (first, second, third)]
+        assert records[0].media.digest != records[2].media.digest
+        model.state_cache.clear()
+        timings = Timings()
+        results = model.score(records, timings)
+        kept = records[0].prefix_tokens + records[0].state_tokens
+        assert timings.tokens_reused == kept, (timings.tokens_reused, kept)  # the second continues the first; the third never
+        worst = 0.0
+        for request, per_question in zip((second, third), results[1:]):
+            model.state_cache.clear()
+            expected = model.logits(request)
+            for result in per_question:
+                scale = max(abs(value) for value in expected[result.question_id].values())
+                worst = max(worst, max(abs(got - expected[result.question_id][option]) for option, got in zip(result.option_ids, result.logits)) / scale)
+        return worst
+
+    return error
+
+
+@pytest.fixture(scope="session")
 def heads_dir(tmp_path_factory) -> Path:
     """A random release with the 9B per-head sizes at hidden 256 (about 2 s to write)."""
     from clef_flash.checkpoint.random_release import write_random_release
