@@ -182,6 +182,7 @@ def run_batch(source, out) -> str:
     return err
 
 
+@pytest.mark.slow  # a long end-to-end or oracle run: the full suite (CI) runs it, the quick loop does not
 def test_sigkill_in_the_middle_then_resume_equals_an_uninterrupted_run(tmp_path):
     count = 160
     lines = [json.dumps({**short_request(index), "id": index * 10}) for index in range(count)]

@@ -147,6 +147,7 @@ requests = st.fixed_dictionaries(
 )
 
 
+@pytest.mark.slow  # a long end-to-end or oracle run: the full suite (CI) runs it, the quick loop does not
 @settings(max_examples=550, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(requests)
 def test_generated_requests_match_reference(reference, hf_tokenizer, tokenizer, request_body):

@@ -18,6 +18,7 @@ MAX_EXAMPLES = 100  # per operation and phase: about 380 cases, ~20 s on two bus
 SEED = 30
 
 
+@pytest.mark.slow  # a long end-to-end or oracle run: the full suite (CI) runs it, the quick loop does not
 def test_schemathesis_finds_nothing_in_the_published_schema(model, tmp_path):
     with running_server(create_app(model, batch_wait_ms=0)) as url:
         run = run_schemathesis(url, max_examples=MAX_EXAMPLES, seed=SEED, workdir=tmp_path, timeout=300)

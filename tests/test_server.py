@@ -422,6 +422,7 @@ def test_health_answers_while_the_model_is_busy(model, monkeypatch):
 # -- batching and disconnects ------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a long end-to-end or oracle run: the full suite (CI) runs it, the quick loop does not
 def test_concurrent_requests_are_batched_with_the_same_answers(model):
     rng = random.Random(6)
     requests = [random_request(rng, state_words=rng.randint(5, 60)) for _ in range(32)]

@@ -157,6 +157,7 @@ def relative_error(got: dict, expected: dict) -> float:
     return worst
 
 
+@pytest.mark.slow  # a long end-to-end or oracle run: the full suite (CI) runs it, the quick loop does not
 @pytest.mark.parametrize("case", list(CASES))
 def test_parity_with_the_reference(clef, media, oracle, oracle_parity, case):
     print(f"{case}: {oracle_parity(clef, request_of(case, media), oracle[case])}")

