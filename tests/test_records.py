@@ -155,6 +155,7 @@ def test_generated_requests_match_reference(reference, hf_tokenizer, tokenizer, 
     COMPARED.append(1)
 
 
+@pytest.mark.slow  # counts what the slow property test above compared
 def test_generated_request_count():
     # Runs after the property test above (file order): it must have compared >= 500 requests.
     print(f"\nencoding parity: {len(COMPARED)} generated requests compared, 0 differences")
