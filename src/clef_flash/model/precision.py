@@ -283,10 +283,14 @@ def dense_dtype_for(rates: Rates) -> torch.dtype | None:
 # Bytes a decoder parameter takes in memory, by precision (int8: the weight and its scales; W8A8: its
 # weight-only share held in a 2-byte form; compact W8A8 (Precision.compact): 1 byte throughout). What the
 # default checks against the machine's memory.
-BYTES_PER_PARAMETER = {"fp64": 8.0, "fp32": 4.0, "bf16": 2.0, "int8-weight-only": 1.0, "int8-w8a8": 1.35}
 COMPACT_W8A8 = "int8-w8a8 compact"  # a candidate of the default, run as int8-w8a8 with compact=True
-BYTES_PER_PARAMETER[COMPACT_W8A8] = 1.0
+BYTES_PER_PARAMETER = {"fp64": 8.0, "fp32": 4.0, "bf16": 2.0, "int8-weight-only": 1.0, "int8-w8a8": 1.35, COMPACT_W8A8: 1.0}
 MEMORY_SHARE = 0.8  # of the memory available when loading, what the model's weights may take
+
+
+def weight_only_rate(measured: Rates) -> float:
+    """int8 weight-only's rate: the fp32 product, plus dequantizing its tiles."""
+    return measured.fp32 / WEIGHT_ONLY_OVERHEAD
 
 
 def w8a8_rate(measured: Rates, *, compact: bool = False) -> float:
@@ -294,7 +298,7 @@ def w8a8_rate(measured: Rates, *, compact: bool = False) -> float:
     W8A8_WEIGHT_ONLY (compact: dequantized tile by tile, as int8 weight-only); 0 where no kernel is exact."""
     if measured.int8_kernel is None or measured.int8 <= 0:
         return 0.0
-    dense = measured.fp32 / WEIGHT_ONLY_OVERHEAD if compact else max(measured.fp32, measured.bf16)
+    dense = weight_only_rate(measured) if compact else max(measured.fp32, measured.bf16)
     return 1 / (W8A8_INT8_SHARE / measured.int8 + (1 - W8A8_INT8_SHARE) / dense)
 
 
@@ -338,7 +342,7 @@ def choose_precision(
         # int8 for the int8 share of the FLOPs, the dense product (bf16 or fp32) for W8A8_WEIGHT_ONLY
         "int8-w8a8": w8a8_rate(measured),
         COMPACT_W8A8: w8a8_rate(measured, compact=True),
-        "int8-weight-only": measured.fp32 / WEIGHT_ONLY_OVERHEAD,
+        "int8-weight-only": weight_only_rate(measured),
     }
     needs = {name: (parameters or 0) * BYTES_PER_PARAMETER[name] for name in candidates}
     room = None if memory_bytes is None or not parameters else MEMORY_SHARE * memory_bytes
