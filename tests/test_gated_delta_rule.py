@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from clef_flash.model.ops import gated_delta_rule as gdr
 from clef_flash.model.ops.gated_delta_rule import (
     causal_conv1d_silu,
     chunk_gated_delta_rule,
@@ -69,6 +70,21 @@ def test_two_segments_equal_one_pass():
     o1, s1 = chunk_gated_delta_rule(q[:, :70], k[:, :70], v[:, :70], g[:, :70], beta[:, :70], initial)
     o2, s2 = chunk_gated_delta_rule(q[:, 70:], k[:, 70:], v[:, 70:], g[:, 70:], beta[:, 70:], s1)
     assert rel(torch.cat((o1, o2), 1), o_ref) <= 1e-12 and rel(s2, s_ref) <= 1e-12
+
+
+@pytest.mark.parametrize("piece", [64, 100])
+def test_long_sequences_run_in_pieces_equal_one_call(monkeypatch, piece):
+    """What the decoder calls (`gated_delta_rule`) runs a sequence longer than PIECE_TOKENS in pieces, each
+    continuing the last one's state: equal to one chunked call (float64), whether or not pieces are whole chunks."""
+    q, k, v, g, beta, initial = inputs(300, state=True, seed=4)
+    o_ref, s_ref = chunk_gated_delta_rule(q, k, v, g, beta, initial)
+    calls = []
+    monkeypatch.setattr(gdr, "PIECE_TOKENS", piece)
+    monkeypatch.setattr(gdr, "chunk_gated_delta_rule", lambda *args: calls.append(args[0].shape[1]) or chunk_gated_delta_rule(*args))
+    o, s = gdr.gated_delta_rule(q, k, v, g, beta, initial)
+    assert calls == [piece] * (300 // piece) + ([300 % piece] if 300 % piece else [])
+    print(f"in pieces of {piece} vs one call (float64): out {rel(o, o_ref):.1e}, state {rel(s, s_ref):.1e}")
+    assert rel(o, o_ref) <= 1e-12 and rel(s, s_ref) <= 1e-12
 
 
 @pytest.mark.parametrize("T", [1, 65, 200])

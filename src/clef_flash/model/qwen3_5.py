@@ -451,6 +451,12 @@ class GatedDeltaNet(nn.Module):
         return project(self.out_proj, out, real), new_state
 
 
+# The MLP's intermediate activations are 3x the hidden size, two of them live at once (and an int8 product's
+# int32 result beside them): 0.3 GB for 2,048 tokens of the 9B. Its rows are independent, so more than this
+# many tokens run this many at a time (the products stay large enough to run at full rate).
+MLP_ROWS = 512
+
+
 class MLP(nn.Module):
     def __init__(self, config: TextConfig):
         super().__init__()
@@ -459,6 +465,14 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., D] -> [..., D], MLP_ROWS rows at a time."""
+        flat = x.reshape(-1, x.shape[-1])  # [N, D]
+        if flat.shape[0] <= MLP_ROWS:
+            return self._rows(x)
+        out = torch.cat([self._rows(rows) for rows in flat.split(MLP_ROWS)])  # [N, D]
+        return out.view(x.shape)
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
         h = F.silu(self.gate_proj(x), inplace=True)
         return self.down_proj(h.mul_(self.up_proj(x)))
 
