@@ -335,6 +335,21 @@ def test_segments_equal_one_pass(models, name, length):
     assert err64 <= 1e-12 and err32 <= 3e-5
 
 
+def test_the_mlp_runs_long_inputs_in_rows(models, monkeypatch):
+    """More than MLP_ROWS tokens run MLP_ROWS rows at a time: the same as one product (float64)."""
+    _, ours = models("odd")
+    mlp = converted(ours, torch.float64).layers[0].mlp
+    x = torch.randn(2, 150, ours.config.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(12))
+    whole = mlp(x)
+    monkeypatch.setattr(qwen3_5, "MLP_ROWS", 64)
+    widths = []
+    rows = mlp._rows
+    monkeypatch.setattr(mlp, "_rows", lambda part: widths.append(part.reshape(-1, part.shape[-1]).shape[0]) or rows(part))
+    in_rows = mlp(x)
+    assert widths == [64] * 4 + [300 - 256] and in_rows.shape == whole.shape
+    assert rel(in_rows, whole) <= 1e-14
+
+
 def test_carried_state_holds_only_itself(models):
     """A state carried between segments keeps its own bytes, not the step's buffers it was cut from: a view
     of the conv's padded input or of the delta rule's per-chunk states pinned ~130 MB per DeltaNet layer of

@@ -453,7 +453,8 @@ class GatedDeltaNet(nn.Module):
 
 # The MLP's intermediate activations are 3x the hidden size, two of them live at once (and an int8 product's
 # int32 result beside them): 0.3 GB for 2,048 tokens of the 9B. Its rows are independent, so more than this
-# many tokens run this many at a time (the products stay large enough to run at full rate).
+# many tokens run this many at a time on a CPU (the products stay large enough to run at full rate there,
+# measured; on a GPU, not measured, the MLP runs whole).
 MLP_ROWS = 512
 
 
@@ -467,7 +468,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., D] -> [..., D], MLP_ROWS rows at a time."""
         flat = x.reshape(-1, x.shape[-1])  # [N, D]
-        if flat.shape[0] <= MLP_ROWS:
+        if flat.shape[0] <= MLP_ROWS or not x.is_cpu:
             return self._rows(x)
         out = torch.cat([self._rows(rows) for rows in flat.split(MLP_ROWS)])  # [N, D]
         return out.view(x.shape)
