@@ -15,7 +15,7 @@ from clef_flash.checkpoint.names import outlier_counts
 from clef_flash.checkpoint.outliers import find_outliers, outlier_ratios
 from clef_flash.conversion import calibrate, default_calibration_requests
 from clef_flash.checkpoint.quant import Int8Linear, QuantizingSource, quantize_per_channel
-from clef_flash.checkpoint.w8a8 import INT_MM, W8A8_KERNELS, quantize_per_token
+from clef_flash.checkpoint.w8a8 import INT_MM, W8A8_KERNELS, exactness_error, quantize_per_token
 from clef_flash.checkpoint.random_release import outlier_channels, write_random_release
 from clef_flash.cli import main
 from clef_flash.conversion import convert
@@ -40,6 +40,7 @@ class FakeRates:
     int8_kernel: str | None = INT_MM
     excluded: dict = None
     fp16_packed: float = 0.0
+    two_digit: float = 0.0
 
 
 # -- the choice ---------------------------------------------------------------------------------------
@@ -342,9 +343,9 @@ def test_load_quantizes_a_release_that_does_not_fit_dense(tiny_dir, monkeypatch)
 @pytest.mark.parametrize(
     ("rates", "memory_gib", "compact"),
     [
-        (FakeRates(fp32=300, bf16=1900, int8=3000, fp16_packed=80), 24, False),  # AMX: the 2-byte copies fit
-        (FakeRates(fp32=300, bf16=1900, int8=3000, fp16_packed=80), 11, True),  # 11.3 GiB does not fit 8.8, 8.3 does
-        (FakeRates(fp32=120, bf16=20, int8=300, fp16_packed=125), 11, True),  # AVX2: still faster than weight-only
+        (FakeRates(fp32=300, bf16=1900, int8=3000, fp16_packed=80, two_digit=1500), 24, False),  # AMX: the 2-byte copies fit
+        (FakeRates(fp32=300, bf16=1900, int8=3000, fp16_packed=80, two_digit=1500), 11, True),  # 11.3 GiB does not fit 8.8, 8.3 does
+        (FakeRates(fp32=120, bf16=20, int8=300, fp16_packed=160, two_digit=140), 11, True),  # AVX2: still faster than weight-only
     ],
 )
 def test_a_calibrated_bundle_that_does_not_fit_runs_w8a8_compact(rates, memory_gib, compact):
@@ -355,19 +356,19 @@ def test_a_calibrated_bundle_that_does_not_fit_runs_w8a8_compact(rates, memory_g
 
 
 def test_compact_w8a8_loads_at_one_byte_and_answers_as_w8a8(tiny_dir, tmp_path, monkeypatch):
-    """The plan keeps W8A8's weight-only projections at 1 byte (no dense copy) when the copies do not fit;
-    the answers stay those of W8A8 (the projections dequantized in fp32 instead of a bf16 or fp16 copy)."""
+    """The plan keeps W8A8's gated products at 1 byte (two int8 digits, no dense copy) when the copies do not fit;
+    the answers stay those of W8A8 with a 2-byte copy."""
     monkeypatch.delenv("CLEF_FLASH_PRECISION", raising=False)
     bundle = convert(tiny_dir, tmp_path / "bundle", progress=False)
     parameters = clef_flash.plan.decoder_parameters(clef_flash.checkpoint.open_checkpoint(bundle))
     kernel = machine.rates().int8_kernel
-    fast_int8 = FakeRates(fp32=300, bf16=1900, int8=3000, int8_kernel=kernel, excluded={}, fp16_packed=80)
+    fast_int8 = FakeRates(fp32=300, bf16=1900, int8=3000, int8_kernel=kernel, excluded={}, fp16_packed=80, two_digit=1500)
     monkeypatch.setattr(clef_flash.plan, "machine_rates", lambda: fast_int8)
     monkeypatch.setattr(clef_flash.plan, "available_memory_bytes", lambda: int(parameters * 1.2 / 0.8))
     compact = clef_flash.load(bundle, device="cpu")
     assert compact.precision == "int8-w8a8" and compact.plan.dense_dtype is None and "compact" in compact.plan.reason
     down = compact.parts.decoder.layers[0].mlp.down_proj
-    assert down.mode == "weight-only" and down.dense_dtype is None
+    assert down.mode == "w8a8-two-digit" and down.dense_dtype is None and compact.plan.gated_mode == "w8a8-two-digit"
     full = clef_flash.load(bundle, device="cpu", precision="int8-w8a8")
     worst = 0.0
     for request in random_requests(3, 4):
@@ -375,7 +376,7 @@ def test_compact_w8a8_loads_at_one_byte_and_answers_as_w8a8(tiny_dir, tmp_path, 
         for question_id, p in a.items():
             worst = max(worst, max(abs(p[option] - b[question_id][option]) for option in p))
             assert max(p, key=p.get) == max(b[question_id], key=b[question_id].get)
-    assert down._prepared is None  # nothing was made from the int8 weight: it is the only copy
+    assert down._prepared is down.weight or down.kernel != "int_mm"  # _int_mm reads the int8 weight itself: the only copy
     print(f"compact vs 2-byte W8A8: max |dp| {worst:.2e}")
     assert worst < 2e-2
 
@@ -416,3 +417,70 @@ def test_the_fp16_packed_weight_only_projection_is_fp32_arithmetic_on_fp16_stora
     error = ((linear(x).double() - exact).abs().max() / exact.abs().max()).item()
     print(f"fp16-packed weight-only vs dequantized fp64: {error:.1e}")
     assert linear(x).dtype == torch.float32 and error < 2e-3  # fp16 rounding of the weights (2^-11), no fp16 math
+
+
+# -- two int8 digits per activation: W8A8's gated products at 1 byte -----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("rates", "expected"),
+    [
+        (FakeRates(fp32=217, bf16=64, int8=785, fp16_packed=253, two_digit=390), "w8a8-two-digit"),  # VNNI: faster than fp16-packed
+        (FakeRates(fp32=300, bf16=1900, int8=3000, fp16_packed=80, two_digit=1500), "weight-only"),  # AMX: bf16 copies faster
+        (FakeRates(fp32=120, bf16=20, int8=300, fp16_packed=125, two_digit=150), "w8a8-two-digit"),  # AVX2 (FBGEMM)
+        (FakeRates(fp32=120, bf16=20, int8=300, fp16_packed=125), "weight-only"),  # no two-digit rate measured
+    ],
+)
+def test_the_gated_products_run_in_two_digits_where_the_probe_finds_it_fastest(rates, expected):
+    from clef_flash.model.precision import gated_mode_for
+
+    assert gated_mode_for(rates) == expected
+    assert gated_mode_for(rates, compact=True) == ("w8a8-two-digit" if rates.two_digit else "weight-only")
+    chosen = choose_precision(CPU, stored_int8=True, calibrated=True, rates=lambda: rates, parameters=NINE_B, memory_bytes=11 * GIB)
+    print(f"{expected}: {chosen.name} compact={chosen.compact} ({chosen.reason})")
+    assert chosen.name == "int8-w8a8"  # 8.3 GiB at 1 byte fits 8.8 GiB usable either way
+    assert ("two int8 digits" in chosen.reason) == bool(rates.two_digit)
+
+
+def test_two_digits_match_the_exact_product_to_15_bits():
+    """Each activation as hi * base + lo, both int8, through the kernel's exact integer product: the error is
+    the activation rounding at ~15 bits per token (13 for FBGEMM's 7-bit digits), ~300x below one digit's."""
+    from clef_flash.checkpoint.quant import dequantize
+    from clef_flash.checkpoint.w8a8 import quantize_two_digits
+
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(37, 512, generator=generator) * torch.logspace(0, 2, 37)[:, None]  # rows spread 100x
+    x[:, 3] *= 50  # and a channel 50x the rest
+    q, scale = quantize_per_channel(torch.randn(96, 512, generator=generator))
+    digits, x_scale, base = quantize_two_digits(x)
+    hi, lo = digits[:37].int(), digits[37:].int()
+    assert base == 254 and hi.abs().max() <= 127 and lo.abs().max() <= 127
+    assert torch.equal(hi * base + lo, torch.round(x / x_scale).int())  # the digits are the rounded value, exactly
+    exact = x.double() @ dequantize(q, scale).double().t()
+    for kernel in W8A8_KERNELS.values():
+        if not kernel.available() or exactness_error(kernel) != 0:
+            continue
+        packed = kernel.pack(q, scale)
+        one = ((kernel.linear(x, packed, scale).double() - exact).abs().max() / exact.abs().max()).item()
+        two = ((kernel.two_digit_linear(x, packed, scale).double() - exact).abs().max() / exact.abs().max()).item()
+        print(f"{kernel.name}: one digit {one:.2e}, two digits {two:.2e}")
+        assert two < (2e-3 if kernel.levels < 127 else 4e-4) and two < one / 50
+
+
+def test_a_two_digit_linear_carries_its_outliers_and_keeps_one_byte():
+    from clef_flash.checkpoint.quant import dequantize
+
+    generator = torch.Generator().manual_seed(6)
+    weight = torch.randn(48, 80, generator=generator)
+    channels = torch.tensor([2, 41])
+    q, scale = quantize_per_channel(weight.index_fill(1, channels, 0.0))
+    x = torch.randn(9, 80, generator=generator)
+    x[:, channels] *= 60
+    kernel = machine.rates().int8_kernel or INT_MM
+    linear = Int8Linear(80, 48, "w8a8-two-digit", outliers=2, kernel=kernel)
+    linear.load_state_dict({"weight": q, "weight_scale": scale, "outlier_channels": channels, "outlier_weight": weight[:, channels]})
+    exact = x.double() @ (dequantize(q, scale).double() + torch.zeros_like(weight, dtype=torch.float64).index_copy(1, channels, weight[:, channels].double())).t()
+    error = ((linear(x).double() - exact).abs().max() / exact.abs().max()).item()
+    print(f"two-digit linear with 2 outlier channels ({kernel}): {error:.1e}")
+    assert error < 2e-3 and "kernel=" in repr(linear)
+    assert linear._prepared is linear.weight or kernel != INT_MM  # no second copy of the weight for _int_mm

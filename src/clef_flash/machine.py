@@ -30,7 +30,7 @@ from .checkpoint.w8a8 import W8A8_KERNELS, exactness_error, fp16_pack, fp16_pack
 from .checkpoint.vocab import cache_dir
 from .model.precision import BF16
 
-PROBE_VERSION = 3  # 2: kernels qualified on exactness first; the rates of every kernel, the excluded ones; 3: fp16_packed
+PROBE_VERSION = 4  # 2: kernels qualified on exactness first; the rates of every kernel, the excluded ones; 3: fp16_packed; 4: two_digit
 ISA_LIMITS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "FBGEMM_ENABLE_INSTRUCTIONS")  # env caps on kernels
 PROBE_SHAPE = (256, 4096, 4096)  # tokens, in features, out features
 FEATURE_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
@@ -47,6 +47,7 @@ class Rates:
     kernels: dict[str, float] = field(default_factory=dict)  # every exact kernel's G(OP)/s
     excluded: dict[str, str] = field(default_factory=dict)  # kernel -> why it never runs here
     fp16_packed: float = 0.0  # FBGEMM's fp16-packed linear (fp32 arithmetic); 0.0: not in this torch build
+    two_digit: float = 0.0  # the fastest exact kernel with two int8 digits per activation (W8A8's gated products)
 
 
 @dataclass(frozen=True)
@@ -137,12 +138,18 @@ def measure(repeats: int = 3, shape: tuple[int, int, int] = PROBE_SHAPE) -> Rate
         else:
             kernels[kernel.name] = small  # a reference loop: exact, usable when forced, never the default
     best = max(kernels, key=kernels.get) if kernels else None
+    two_digit = 0.0
+    if best is not None and kernels[best] >= fp32 / 10:  # the same product, its activations in two int8 digits
+        kernel = W8A8_KERNELS[best]
+        packed = kernel.pack(q, scale)
+        two_digit = rate(lambda: kernel.two_digit_linear(x, packed, scale))
     fp16_packed = 0.0
     if fp16_packed_available():
         packed16 = fp16_pack(weight)
         fp16_packed = rate(lambda: fp16_packed_linear(x, packed16))
     return Rates(
         fp16_packed=fp16_packed,
+        two_digit=two_digit,
         fp32=fp32,
         bf16=rate(lambda: x16 @ weight16.t()),
         int8=kernels.get(best, 0.0),
@@ -201,6 +208,7 @@ def describe(machine: Machine, measured: Rates) -> dict:
             "int8_kernels_gops": {name: round(value, 1) for name, value in measured.kernels.items()},
             "int8_excluded": measured.excluded,
             "fp16_packed_gflops": round(measured.fp16_packed, 1),
+            "two_digit_gops": round(measured.two_digit, 1),
         },
     }
 

@@ -22,7 +22,19 @@ from .checkpoint.names import LM_HEAD
 from .errors import ClefError
 from .machine import available_memory_bytes
 from .machine import rates as machine_rates
-from .model.precision import COREML, COREML_PRECISION, W8A8, Plan, choose_precision, dense_dtype_for, is_scale, resolve_precision, w8a8_kernel
+from .model.precision import (
+    COREML,
+    COREML_PRECISION,
+    W8A8,
+    WEIGHT_ONLY,
+    Plan,
+    choose_precision,
+    dense_dtype_for,
+    gated_mode_for,
+    is_scale,
+    resolve_precision,
+    w8a8_kernel,
+)
 
 __all__ = ["Plan", "coreml_plan", "fastest_dense", "resolve"]
 
@@ -58,7 +70,9 @@ def resolve(checkpoint: Any, device: torch.device, requested: str | None) -> Pla
         kernel = w8a8_kernel(measured)  # exact kernels only: forced or not
     except ValueError as exc:
         raise ClefError(str(exc)) from None
-    return Plan(precision, device, kernel=kernel, dense_dtype=None if precision.compact else dense_dtype_for(measured))
+    gated_mode = gated_mode_for(measured, compact=precision.compact)
+    dense_dtype = dense_dtype_for(measured) if gated_mode == WEIGHT_ONLY and not precision.compact else None
+    return Plan(precision, device, kernel=kernel, dense_dtype=dense_dtype, gated_mode=gated_mode)
 
 
 def fastest_dense(device: torch.device) -> Plan:

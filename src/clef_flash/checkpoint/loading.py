@@ -210,7 +210,7 @@ def build_model(checkpoint: Checkpoint, plan: Plan, *, resident_layers: int | No
         decoder = Qwen35Decoder(text_config)
         head = JointHead(head_config)
     if precision.quantized:
-        replace_linears(decoder, precision.int8_mode, outliers=outlier_counts(tensors), kernel=plan.kernel or INT_MM, dense_dtype=plan.dense_dtype)
+        replace_linears(decoder, precision.int8_mode, outliers=outlier_counts(tensors), kernel=plan.kernel or INT_MM, dense_dtype=plan.dense_dtype, gated_mode=plan.gated_mode)
         decoder.activation_dtype = precision.compute_dtype
     names = checked_decoder_names(checkpoint, tensors, decoder)
     if resident_layers:

@@ -12,6 +12,8 @@ Compute modes (`Int8Linear.mode`):
 - `w8a8`: activations are quantized per token (one scale per row) and multiplied in int8 with int32
   accumulation by one of the kernels of checkpoint/w8a8.py (oneDNN, FBGEMM, `torch._int_mm`): the one the
   machine's probe found exact and fastest.
+- `w8a8-two-digit` (W8A8's gated products, where the probe found it fastest): as `w8a8`, each activation in
+  two int8 digits (~15 bits; checkpoint/w8a8.py), the weight still its 1-byte int8.
 - Outlier channels (LLM.int8()'s decomposition): a linear may carry a few input channels, found by
   calibration (checkpoint/outliers.py), that are multiplied densely in fp32 and left out of the int8 parts.
 
@@ -32,13 +34,14 @@ from .w8a8 import INT_MM, W8A8_KERNELS, fp16_pack, fp16_packed_linear
 from ..model.precision import (
     FP32,
     INT8,
-    INT8_MODES,
+    LINEAR_MODES,
     OUTLIER_CHANNELS,
     OUTLIER_DTYPE,
     OUTLIER_WEIGHT,
     PACKED_FP16,
     SCALE_DTYPE,
     SCALE_SUFFIX,
+    TWO_DIGITS,
     W8A8,
     WEIGHT_ONLY,
     int8_mode_of,
@@ -98,8 +101,8 @@ class Int8Linear(nn.Module):
         dense_dtype: torch.dtype | None = None,
     ):
         super().__init__()
-        if mode not in INT8_MODES:
-            raise ValueError(f"unknown int8 mode {mode!r}: use one of {', '.join(INT8_MODES)}")
+        if mode not in LINEAR_MODES:
+            raise ValueError(f"unknown int8 mode {mode!r}: use one of {', '.join(LINEAR_MODES)}")
         if kernel not in W8A8_KERNELS:
             raise ValueError(f"unknown W8A8 kernel {kernel!r}: use one of {', '.join(W8A8_KERNELS)}")
         self.in_features, self.out_features, self.mode, self.kernel = in_features, out_features, mode, kernel
@@ -130,7 +133,8 @@ class Int8Linear(nn.Module):
         else:
             kernel = W8A8_KERNELS[self.kernel if x.device.type == "cpu" else INT_MM]  # cuBLAS on CUDA
             packed = self._prepare(lambda weight: kernel.pack(weight, self.weight_scale))
-            out = kernel.linear(x2d, packed, self.weight_scale, self.outlier_channels)
+            multiply = kernel.two_digit_linear if self.mode == TWO_DIGITS else kernel.linear
+            out = multiply(x2d, packed, self.weight_scale, self.outlier_channels)
         if self.outlier_channels is not None:
             out.addmm_(x2d.index_select(1, self.outlier_channels).to(out.dtype), self.outlier_weight.t().to(out.dtype))
         return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
@@ -145,7 +149,7 @@ class Int8Linear(nn.Module):
         return self._prepared
 
     def extra_repr(self) -> str:
-        kernel = f", kernel={self.kernel}" if self.mode == W8A8 else ""
+        kernel = f", kernel={self.kernel}" if self.mode in (W8A8, TWO_DIGITS) else ""
         outliers = f", outliers={len(self.outlier_channels)}" if self.outlier_channels is not None else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}{kernel}{outliers}"
 
@@ -157,11 +161,12 @@ def replace_linears(
     outliers: dict[str, int] | None = None,
     kernel: str = INT_MM,
     dense_dtype: torch.dtype | None = None,
+    gated_mode: str = WEIGHT_ONLY,
 ) -> list[str]:
     """Swap every `nn.Linear` whose weight `is_quantized` for an `Int8Linear` (on the same device); returns their names.
 
     `outliers`: linear name -> number of outlier channels its source holds (from a calibrated bundle).
-    Each linear runs in `int8_mode_of(name, mode)`; `kernel` and `dense_dtype` as in `Int8Linear`.
+    Each linear runs in `int8_mode_of(name, mode, gated_mode)`; `kernel` and `dense_dtype` as in `Int8Linear`.
     """
     outliers = outliers or {}
     replaced = []
@@ -175,7 +180,7 @@ def replace_linears(
                     replacement = Int8Linear(
                         linear.in_features,
                         linear.out_features,
-                        int8_mode_of(full, mode),
+                        int8_mode_of(full, mode, gated_mode),
                         outliers=outliers.get(full, 0),
                         kernel=kernel,
                         dense_dtype=dense_dtype,

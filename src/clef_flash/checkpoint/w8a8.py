@@ -19,6 +19,13 @@ FBGEMM quantizes activations itself, per tensor, as u8 with a zero point (`reduc
 rounding is made to be ours exactly: each row is scaled to integers in [-63, 63] first, and two extra
 columns (-64 and 63, against zero weight columns) pin the tensor's range, so FBGEMM's scale is 1 and its
 zero point 64; the per-token scales are applied to the output rows after (a linear map lets them factor out).
+
+Two digits (`W8A8Kernel.two_digit_linear`): the projections whose inputs are heavy-tailed per token (the gated
+products, precision.W8A8_WEIGHT_ONLY) need more than 8 bits of activation. Each row is rounded to integers
+t in [-levels * base, levels * base] (base = 2 * levels: ~15 bits for 127 levels, ~13 for FBGEMM's 63) and
+written t = hi * base + lo with both digits within [-levels, levels]; the rows [hi; lo] go through the same
+int8 kernel as one product of twice the rows, and out = base * P_hi + P_lo. The weight stays the bundle's
+1-byte int8, packed once for the kernel; the sums are the kernel's exact integer sums.
 """
 
 from __future__ import annotations
@@ -46,6 +53,18 @@ def quantize_per_token(
         x32 = x32.index_fill(1, outliers, 0.0)
     scale = x32.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(FP32).tiny) / levels  # [M, 1]
     return torch.round(x32 / scale).clamp_(-levels, levels).to(dtype), scale  # not in place: x32 may be x itself
+
+
+def quantize_two_digits(
+    x2d: torch.Tensor, outliers: torch.Tensor | None = None, levels: int = 127, dtype: torch.dtype = INT8
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """x [M, I] -> (digits [2M, I] as `dtype`: the rows [hi; lo], fp32 scale [M, 1], base) with
+    round(x / scale) = hi * base + lo, |hi|, |lo| <= levels; the `outliers` columns read as 0."""
+    base = 2 * levels
+    t, scale = quantize_per_token(x2d, outliers, levels * base, FP32)  # integers in [-levels*base, levels*base]
+    hi = torch.round(t / base)  # [M, I] in [-levels, levels]
+    lo = t.sub_(hi * base)  # [M, I] in [-base/2, base/2] = [-levels, levels]
+    return torch.cat([hi, lo]).to(dtype), scale, base
 
 
 # -- the kernels: (xq integers [M, I], packed weight, weight scale [O]) -> fp32 [M, O] ------------------------
@@ -112,6 +131,13 @@ class W8A8Kernel:
         """x [M, I] -> fp32 [M, O] (without the outlier channels' dense product, which the caller adds)."""
         xq, x_scale = quantize_per_token(x2d, outliers, self.levels, self.activation_dtype)
         return self.multiply(xq, packed, scale).mul_(x_scale)
+
+    def two_digit_linear(self, x2d: torch.Tensor, packed: Any, scale: torch.Tensor, outliers: torch.Tensor | None = None) -> torch.Tensor:
+        """As `linear`, with each activation in two int8 digits (~15 bits: see the module's docstring)."""
+        rows = x2d.shape[0]
+        digits, x_scale, base = quantize_two_digits(x2d, outliers, self.levels, self.activation_dtype)
+        products = self.multiply(digits, packed, scale)  # [2M, O]: the hi rows, then the lo rows
+        return products[:rows].mul_(base).add_(products[rows:]).mul_(x_scale)
 
 
 W8A8_KERNELS: dict[str, W8A8Kernel] = {

@@ -48,6 +48,10 @@ HIGH_PRECISION_PARAMETERS = ("A_log", "dt_bias")
 # token, and per-token int8 there cost 1.5-2.5e-2 relative error each on the outlier release, 4 decisions
 # of 75 where weight-only there gives 1 (benchmarks/agreement.py). They are a quarter to a third of the FLOPs.
 W8A8_WEIGHT_ONLY = ("down_proj", "out_proj", "o_proj")
+# ... unless two int8 digits per activation (~15 bits, checkpoint/w8a8.py) run them faster than their 2-byte dense
+# form on this CPU: then they stay 1 byte a weight through the W8A8 kernel (`Plan.gated_mode`, `gated_mode_for`).
+TWO_DIGITS = "w8a8-two-digit"
+LINEAR_MODES = (*INT8_MODES, TWO_DIGITS)  # what an Int8Linear runs in
 HEAD_DTYPE = FP32
 BUNDLE_EMBEDDING_DTYPE = BF16  # input and output embeddings in an 8-bit bundle
 # Core ML export (clef_flash/coreml/): the twins are traced in fp32; Core ML computes the decoder parts in
@@ -72,10 +76,11 @@ def is_quantized(name: str, shape: tuple[int, ...], keep: tuple[str, ...] | None
     return leaf == "weight" and is_projection and len(shape) == 2 and not name.endswith(keep)
 
 
-def int8_mode_of(linear_name: str, mode: str) -> str:
-    """The int8 mode one projection runs in under `mode` (W8A8 keeps W8A8_WEIGHT_ONLY weight-only)."""
+def int8_mode_of(linear_name: str, mode: str, gated_mode: str = WEIGHT_ONLY) -> str:
+    """The mode one projection runs in under `mode`: W8A8 runs W8A8_WEIGHT_ONLY in `gated_mode`
+    (weight-only, or two int8 digits per activation)."""
     if mode == W8A8 and linear_name.rpartition(".")[2] in W8A8_WEIGHT_ONLY:
-        return WEIGHT_ONLY
+        return gated_mode
     return mode
 
 
@@ -102,8 +107,8 @@ class Precision:
     compute_dtype: torch.dtype  # activations and 16/32-bit weights
     int8_mode: str | None = None  # None: no int8 weights
     reason: str = "asked for"
-    # W8A8 only: its weight-only projections (W8A8_WEIGHT_ONLY) stay at 1 byte, dequantized tile by tile on
-    # every forward, instead of a 2-byte copy (the default takes this where the copy does not fit the memory)
+    # W8A8 only: its gated-product projections (W8A8_WEIGHT_ONLY) stay at 1 byte, in two int8 digits per
+    # activation, even where a 2-byte dense copy is faster (the default takes this where the copies do not fit)
     compact: bool = False
 
     @property
@@ -201,6 +206,7 @@ class Plan:
     kernel: str | None = None  # the W8A8 kernel (checkpoint/w8a8.py); None unless W8A8 on a CPU
     dense_dtype: torch.dtype | None = None  # W8A8's weight-only projections; None: tile by tile per forward
     backend: str = TORCH
+    gated_mode: str = WEIGHT_ONLY  # how W8A8 runs W8A8_WEIGHT_ONLY: weight-only (dense_dtype) or TWO_DIGITS
 
     @property
     def name(self) -> str:
@@ -221,7 +227,7 @@ class Plan:
     @property
     def key(self) -> str:
         return "|".join(
-            map(str, (self.backend, self.name, self.compute_dtype, self.int8_mode, self.kernel, self.dense_dtype, self.device))
+            map(str, (self.backend, self.name, self.compute_dtype, self.int8_mode, self.kernel, self.gated_mode, self.dense_dtype, self.device))
         )
 
     def describe(self) -> dict[str, Any]:
@@ -232,6 +238,7 @@ class Plan:
             "compute_dtype": str(self.compute_dtype).removeprefix("torch."),
             "int8_mode": self.int8_mode,
             "kernel": self.kernel,
+            "gated_mode": self.gated_mode if self.int8_mode == W8A8 else None,
             "dense_dtype": str(self.dense_dtype).removeprefix("torch.") if self.dense_dtype is not None else None,
             "device": str(self.device),
             "reason": self.reason,
@@ -265,6 +272,7 @@ class Rates(Protocol):
     int8_kernel: str | None  # the fastest exact W8A8 kernel; None: none is exact on this machine
     excluded: dict[str, str]
     fp16_packed: float  # FBGEMM's fp16-packed linear (fp32 arithmetic, 2 bytes a weight); 0.0: not in this build
+    two_digit: float  # the fastest exact kernel with two int8 digits per activation (effective rate); 0.0: none
 
 
 # W8A8's weight-only projections (W8A8_WEIGHT_ONLY) hold their weight once in a 2-byte form: bf16 where the
@@ -280,9 +288,23 @@ def dense_dtype_for(rates: Rates) -> torch.dtype | None:
     return PACKED_FP16 if rates.fp16_packed > 0 else None
 
 
+def dense_gated_rate(rates: Rates) -> float:
+    """The probe's rate of W8A8's gated products in their weight-only form (`dense_dtype_for`)."""
+    dense = dense_dtype_for(rates)
+    return rates.bf16 if dense == BF16 else rates.fp16_packed if dense == PACKED_FP16 else weight_only_rate(rates)
+
+
+def gated_mode_for(rates: Rates, *, compact: bool = False) -> str:
+    """How W8A8 runs its gated products here: in two int8 digits (1 byte a weight) where the probe measured
+    that at least as fast as their 2-byte weight-only form, or where `compact`; else weight-only."""
+    if rates.two_digit > 0 and (compact or rates.two_digit >= dense_gated_rate(rates)):
+        return TWO_DIGITS
+    return WEIGHT_ONLY
+
+
 # Bytes a decoder parameter takes in memory, by precision (int8: the weight and its scales; W8A8: its
-# weight-only share held in a 2-byte form; compact W8A8 (Precision.compact): 1 byte throughout). What the
-# default checks against the machine's memory.
+# weight-only share held in a 2-byte form, unless `gated_mode_for` runs it in two digits; compact W8A8
+# (Precision.compact): 1 byte throughout). What the default checks against the machine's memory.
 COMPACT_W8A8 = "int8-w8a8 compact"  # a candidate of the default, run as int8-w8a8 with compact=True
 BYTES_PER_PARAMETER = {"fp64": 8.0, "fp32": 4.0, "bf16": 2.0, "int8-weight-only": 1.0, "int8-w8a8": 1.35, COMPACT_W8A8: 1.0}
 MEMORY_SHARE = 0.8  # of the memory available when loading, what the model's weights may take
@@ -294,12 +316,20 @@ def weight_only_rate(measured: Rates) -> float:
 
 
 def w8a8_rate(measured: Rates, *, compact: bool = False) -> float:
-    """W8A8's rate: the int8 kernel for the int8 share of the FLOPs, the dense product (bf16 or fp32) for
-    W8A8_WEIGHT_ONLY (compact: dequantized tile by tile, as int8 weight-only); 0 where no kernel is exact."""
+    """W8A8's rate: the int8 kernel for the int8 share of the FLOPs, the gated products' form
+    (`gated_mode_for`) for W8A8_WEIGHT_ONLY; 0 where no kernel is exact."""
     if measured.int8_kernel is None or measured.int8 <= 0:
         return 0.0
-    dense = weight_only_rate(measured) if compact else max(measured.fp32, measured.bf16)
-    return 1 / (W8A8_INT8_SHARE / measured.int8 + (1 - W8A8_INT8_SHARE) / dense)
+    if gated_mode_for(measured, compact=compact) == TWO_DIGITS:
+        gated = measured.two_digit
+    else:  # compact without a two-digit rate: dequantized tile by tile, as int8 weight-only
+        gated = weight_only_rate(measured) if compact else dense_gated_rate(measured)
+    return 1 / (W8A8_INT8_SHARE / measured.int8 + (1 - W8A8_INT8_SHARE) / gated)
+
+
+def w8a8_bytes(measured: Rates) -> float:
+    """Bytes a parameter takes under the default's W8A8: 1 where its gated products run in two digits."""
+    return BYTES_PER_PARAMETER[COMPACT_W8A8 if gated_mode_for(measured) == TWO_DIGITS else "int8-w8a8"]
 
 
 def w8a8_kernel(measured: Rates) -> str:
@@ -329,13 +359,14 @@ def choose_precision(
     by the probe, among those whose weights (`parameters` x BYTES_PER_PARAMETER) fit in MEMORY_SHARE of
     `memory_bytes` (None: no bound). Nothing fitting is a one-line error with the sizes."""
     candidates = qualified(stored_int8=stored_int8, calibrated=calibrated)
-    if "int8-w8a8" in candidates:  # its 1-byte form, right after it: chosen when the 2-byte copies do not fit
-        at = candidates.index("int8-w8a8") + 1
-        candidates = (*candidates[:at], COMPACT_W8A8, *candidates[at:])
     if device.type != "cpu":
         name = "bf16" if not stored_int8 else "int8-weight-only"
         return PRECISIONS[name].with_reason(f"on {device.type}: {name} until an 8-bit path qualifies there")
     measured = rates()
+    if "int8-w8a8" in candidates and gated_mode_for(measured) != TWO_DIGITS:
+        # its 1-byte form (gated products in two digits), right after it: chosen when the 2-byte copies do not fit
+        at = candidates.index("int8-w8a8") + 1
+        candidates = (*candidates[:at], COMPACT_W8A8, *candidates[at:])
     rate = {
         "fp32": measured.fp32,
         "bf16": measured.bf16,
@@ -344,7 +375,8 @@ def choose_precision(
         COMPACT_W8A8: w8a8_rate(measured, compact=True),
         "int8-weight-only": weight_only_rate(measured),
     }
-    needs = {name: (parameters or 0) * BYTES_PER_PARAMETER[name] for name in candidates}
+    bytes_per_parameter = {**BYTES_PER_PARAMETER, "int8-w8a8": w8a8_bytes(measured)}
+    needs = {name: (parameters or 0) * bytes_per_parameter[name] for name in candidates}
     room = None if memory_bytes is None or not parameters else MEMORY_SHARE * memory_bytes
     fitting_ones = [name for name in candidates if room is None or needs[name] <= room]
     if not fitting_ones:
@@ -362,8 +394,14 @@ def choose_precision(
     if left_out:
         reason += "; too big for memory: " + ", ".join(f"{name} {needs[name] / 2**30:.1f} GiB" for name in left_out)
         reason += f" of {room / 2**30:.1f} GiB usable"
+    if best == "int8-w8a8" and gated_mode_for(measured) == TWO_DIGITS:
+        reason += (
+            f"; its gated products in two int8 digits ({measured.two_digit:.0f}, against {dense_gated_rate(measured):.0f} "
+            "for a 2-byte copy): 1 byte a weight"
+        )
     if best == COMPACT_W8A8:
-        reason += "; compact: W8A8's weight-only projections stay 1 byte, dequantized tile by tile"
+        form = "in two int8 digits per activation" if gated_mode_for(measured, compact=True) == TWO_DIGITS else "dequantized tile by tile"
+        reason += f"; compact: W8A8's gated products stay 1 byte, {form}"
         return dataclasses.replace(PRECISIONS["int8-w8a8"], compact=True, reason=reason)
     return PRECISIONS[best].with_reason(reason)
 
