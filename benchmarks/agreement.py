@@ -9,7 +9,8 @@ each flip), median and max |dp|, and whether the path is *qualified*: no more de
 the reference's own bf16, median |dp| at most 2x its (the rule model/precision.py's QUALIFIED_* encode).
 
 Paths: our bf16; int8 weight-only and W8A8 quantized from the release (no calibration); a converted
-bundle calibrated on the built-in requests (outlier channels in fp32) in W8A8 and weight-only; each release's and
+bundle calibrated on the built-in requests (outlier channels in fp32) in W8A8 (as this CPU's probe runs its
+gated products, then with them forced to a 2-byte copy and to two int8 digits) and weight-only; each release's and
 bundle's default (`precision=None`) on this machine. The outlier ratio (largest / median channel absmax
 at each projection's input, from the calibration run) is printed for each release.
 """
@@ -29,6 +30,8 @@ import torch  # noqa: E402
 from conftest import ReferenceModel, load_reference_module  # noqa: E402
 
 import clef_flash  # noqa: E402
+import clef_flash.plan  # noqa: E402
+from clef_flash.model.precision import TWO_DIGITS, WEIGHT_ONLY  # noqa: E402
 from clef_flash.checkpoint.random_release import write_random_release  # noqa: E402
 from clef_flash.checkpoint.outliers import outlier_ratios  # noqa: E402
 from clef_flash.conversion import calibrate, default_calibration_requests  # noqa: E402
@@ -40,6 +43,16 @@ def probabilities(logits: dict[str, float]) -> torch.Tensor:
     return torch.tensor(list(logits.values()), dtype=torch.float64).softmax(-1)
 
 
+def load_with_gated(source: Path, gated_mode: str):
+    """The calibrated bundle in W8A8 with its gated products in `gated_mode` (whatever the probe prefers here)."""
+    chosen = clef_flash.plan.gated_mode_for
+    clef_flash.plan.gated_mode_for = lambda rates, compact=False: gated_mode
+    try:
+        return clef_flash.load(source, device="cpu", precision="int8-w8a8")
+    finally:
+        clef_flash.plan.gated_mode_for = chosen
+
+
 def paths(root: Path, bundle: Path, module) -> dict:
     load = lambda source, precision: clef_flash.load(source, device="cpu", precision=precision)  # noqa: E731
     release_default, bundle_default = load(root, None), load(bundle, None)
@@ -49,6 +62,8 @@ def paths(root: Path, bundle: Path, module) -> dict:
         "int8 weight-only (release)": load(root, "int8-weight-only").logits,
         "int8 w8a8 (release, uncalibrated)": load(root, "int8-w8a8").logits,
         "int8 w8a8 (calibrated bundle)": load(bundle, "int8-w8a8").logits,
+        "  gated products 2-byte copy": load_with_gated(bundle, WEIGHT_ONLY).logits,
+        "  gated products two int8 digits": load_with_gated(bundle, TWO_DIGITS).logits,
         "int8 weight-only (calibrated bundle)": load(bundle, "int8-weight-only").logits,
         f"default of the release: {release_default.precision}": release_default.logits,
         f"default of the bundle: {bundle_default.precision}": bundle_default.logits,

@@ -3,13 +3,16 @@
     python benchmarks/bundle_9b.py [--dir runs] [--config 9b] [--precision default] [--answer-from bundle]
     python benchmarks/bundle_9b.py --answer-from release    # the release itself, no conversion (issue 25)
     python benchmarks/bundle_9b.py --memory-gb 11           # the default as an 11 GB machine picks it (W8A8 compact)
+    python benchmarks/bundle_9b.py --gated two-digit,weight-only --rounds 2   # W8A8's gated products both ways, alternating
 
 Writes `DIR/release-9b` (32 layers, hidden 4096, vocabulary 248,320: about 19 GB of bf16, generated, never
 committed) unless it is there, converts it to `DIR/bundle-9b` as `clef-flash convert` does (calibrated on
 the built-in requests) unless it is there, then in a fresh process loads the bundle and answers one
 ~370-token, 3-question record three times (the first reads the weights from disk and packs them for this
 CPU; the faster of the other two is the warm figure, both are printed). Each step runs in its own process, so each peak
-RSS is its own. `--answer-from release` skips the conversion and answers from the release (what a user who
+RSS is its own. `--gated` forces the form of W8A8's gated products (`two-digit`: int8 digits, 1 byte a
+weight; `weight-only`: the 2-byte copy this CPU would take; `probe`: the probe's choice), one fresh process
+each, alternating for `--rounds` rounds. `--answer-from release` skips the conversion and answers from the release (what a user who
 never converts gets: with no precision, the default that fits this machine's memory).
 """
 
@@ -54,6 +57,9 @@ def main() -> None:
     parser.add_argument("--precision", default="default", help="default (this machine's), int8-weight-only or int8-w8a8")
     parser.add_argument("--answer-from", choices=("bundle", "release"), default="bundle")
     parser.add_argument("--memory-gb", type=float, help="choose the default as on a machine with this much memory available")
+    parser.add_argument("--gated", default="probe", help="comma-separated forms of W8A8's gated products: probe, two-digit, weight-only")
+    parser.add_argument("--json", type=Path, help="also write every answer step's figures to this file")
+    parser.add_argument("--rounds", type=int, default=1, help="answer steps per --gated form, alternating")
     args = parser.parse_args()
     base = Path(args.dir).resolve()
     release, bundle = base / f"release-{args.config}", base / f"bundle-{args.config}"
@@ -85,16 +91,41 @@ def main() -> None:
     precision = None if args.precision == "default" else args.precision
     answered = bundle if args.answer_from == "bundle" else release
 
+    results = []
+    for round_index in range(args.rounds):
+        for gated in args.gated.split(","):
+            answer = answer_step(answered, precision, args.memory_gb, gated)
+            answer.update(gated=gated, round=round_index)
+            results.append(answer)
+            print(
+                f"{answered.name} [{gated}, round {round_index + 1}]: {answer['precision']} ({answer['why']}): "
+                f"load until ready {answer['ready_s']:.2f} s; {answer['tokens']}-token record: first answer "
+                f"{answer['first_s']:.1f} s (weights read and packed), warm {answer['warm_s']:.2f} s "
+                f"(runs {', '.join(f'{s:.2f}' for s in answer['warm_all_s'])}); peak RSS {answer['own_peak_rss_gb']:.2f} GB",
+                flush=True,
+            )
+            print(f"  plan: {answer['plan']}; last answer by stage: {answer['timings']}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+
+
+def answer_step(answered: Path, precision: str | None, memory_gb: float | None, gated: str) -> dict:
+    """Load `answered` in a fresh process and answer the typical record three times; the figures."""
+    forms = {"probe": None, "two-digit": "w8a8-two-digit", "weight-only": "weight-only"}
+    if gated not in forms:
+        sys.exit(f"--gated: {gated!r} is not one of {', '.join(forms)}")
     answer, _, _ = run_step(
         f"""
         import json, resource, sys, time
         sys.path.insert(0, "benchmarks")
         start = time.perf_counter()
         import clef_flash
+        import clef_flash.plan
         from common import typical_request
-        if {args.memory_gb!r} is not None:  # the default as a machine with this much memory available chooses it
-            import clef_flash.plan
-            clef_flash.plan.available_memory_bytes = lambda: int({args.memory_gb!r} * 1e9)
+        if {memory_gb!r} is not None:  # the default as a machine with this much memory available chooses it
+            clef_flash.plan.available_memory_bytes = lambda: int({memory_gb!r} * 1e9)
+        if {forms[gated]!r} is not None:  # W8A8's gated products in this form, whatever the probe prefers
+            clef_flash.plan.gated_mode_for = lambda rates, compact=False: {forms[gated]!r}
         model = clef_flash.load({str(answered)!r}, device="cpu", precision={precision!r})
         ready = time.perf_counter() - start
         request = typical_request()
@@ -105,17 +136,12 @@ def main() -> None:
             times.append(time.perf_counter() - begin)
         print(json.dumps({{"ready_s": ready, "first_s": times[0], "warm_s": sorted(times[1:])[0],
                           "warm_all_s": times[1:], "precision": model.precision, "why": model.precision_policy.reason,
+                          "plan": model.plan.describe(),
                           "own_peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2,
                           "tokens": model.last_timings.tokens, "timings": model.last_timings.as_dict()}}))
         """
     )
-    print(
-        f"{answered.name}: {answer['precision']} ({answer['why']}): load until ready {answer['ready_s']:.2f} s; "
-        f"{answer['tokens']}-token record: first answer {answer['first_s']:.1f} s (weights read and packed), "
-        f"warm {answer['warm_s']:.2f} s (runs {', '.join(f'{s:.2f}' for s in answer['warm_all_s'])}); "
-        f"peak RSS {answer['own_peak_rss_gb']:.2f} GB"
-    )
-    print(f"  last answer by stage: {answer['timings']}")
+    return answer
 
 
 if __name__ == "__main__":
