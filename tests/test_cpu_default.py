@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import clef_flash
+import clef_flash.plan
 from clef_flash import machine
 from clef_flash.checkpoint.names import outlier_counts
 from clef_flash.checkpoint.outliers import find_outliers, outlier_ratios

@@ -61,10 +61,19 @@ def quantize_two_digits(
     """x [M, I] -> (digits [2M, I] as `dtype`: the rows [hi; lo], fp32 scale [M, 1], base) with
     round(x / scale) = hi * base + lo, |hi|, |lo| <= levels; the `outliers` columns read as 0."""
     base = 2 * levels
-    t, scale = quantize_per_token(x2d, outliers, levels * base, FP32)  # integers in [-levels*base, levels*base]
-    hi = torch.round(t / base)  # [M, I] in [-levels, levels]
-    lo = t.sub_(hi * base)  # [M, I] in [-base/2, base/2] = [-levels, levels]
-    return torch.cat([hi, lo]).to(dtype), scale, base
+    x32 = x2d.float()
+    if outliers is not None:
+        x32 = x32.index_fill(1, outliers, 0.0)
+    rows = x32.shape[0]
+    scale = x32.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(FP32).tiny) / (levels * base)  # [M, 1]
+    # Few fresh [M, I] buffers (each is page faults and a pass) and in-place steps: this runs before every gated product.
+    units = x32 / (scale * base)  # [M, I] in [-levels, levels]: the integers round(x / scale), divided by base
+    hi = units.round()  # [M, I]
+    lo = units.sub_(hi).mul_(base).round_()  # (x / scale - hi * base) rounded: [M, I] in [-levels, levels]
+    digits = torch.empty(2 * rows, x32.shape[1], dtype=dtype, device=x32.device)  # [2M, I]
+    digits[:rows].copy_(hi)
+    digits[rows:].copy_(lo)
+    return digits, scale, base
 
 
 # -- the kernels: (xq integers [M, I], packed weight, weight scale [O]) -> fp32 [M, O] ------------------------
