@@ -59,7 +59,8 @@ def quantize_two_digits(
     x2d: torch.Tensor, outliers: torch.Tensor | None = None, levels: int = 127, dtype: torch.dtype = INT8
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """x [M, I] -> (digits [2M, I] as `dtype`: the rows [hi; lo], fp32 scale [M, 1], base) with
-    round(x / scale) = hi * base + lo, |hi|, |lo| <= levels; the `outliers` columns read as 0."""
+    hi * base + lo = round(x / scale) (but for the odd tie, one unit off), |hi|, |lo| <= levels; the `outliers`
+    columns read as 0."""
     base = 2 * levels
     x32 = x2d.float()
     if outliers is not None:
