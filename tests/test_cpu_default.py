@@ -166,6 +166,25 @@ def test_a_w8a8_kernel_runs_only_where_it_is_exact(name):
             assert error < 1e-6, (rows, outliers, error)  # the same int32 sums, scaled in another order
 
 
+def test_w8a8_on_7_bit_activations_is_never_the_default():
+    """FBGEMM rounds activations to 7 bits, which does not qualify (benchmarks/agreement.py): a calibrated bundle
+    then defaults to weight-only, says why, and still runs W8A8 on it when asked; an exact 8-bit kernel, even
+    a slower one, is W8A8's kernel before it."""
+    from clef_flash.checkpoint.w8a8 import FBGEMM, ONEDNN
+    from clef_flash.model.precision import SEVEN_BIT_KERNELS, w8a8_kernel
+
+    assert set(SEVEN_BIT_KERNELS) == {name for name, kernel in W8A8_KERNELS.items() if kernel.levels < 127}
+    avx2 = FakeRates(fp32=120, bf16=20, int8=300, int8_kernel=FBGEMM, fp16_packed=125, two_digit=150)
+    chosen = choose_precision(torch.device("cpu"), stored_int8=True, calibrated=True, rates=lambda: avx2)
+    assert chosen.name == "int8-weight-only"
+    assert "int8-w8a8 left out: its kernel here (fbgemm) rounds activations to 7 bits" in chosen.reason
+    assert w8a8_kernel(avx2) == FBGEMM  # forced
+    assert machine.w8a8_choice({FBGEMM: 300.0, INT_MM: 200.0}, 120.0) == INT_MM
+    assert machine.w8a8_choice({FBGEMM: 300.0, ONEDNN: 0.1}, 120.0) == FBGEMM  # a reference loop is last
+    assert machine.w8a8_choice({FBGEMM: 300.0}, 120.0) == FBGEMM
+    assert machine.w8a8_choice({}, 120.0) is None
+
+
 def test_forced_w8a8_runs_the_exact_kernel_or_is_refused(tiny_dir, monkeypatch):
     """Forcing int8-w8a8 never runs an excluded kernel: the probe's fastest exact one, or a one-line refusal."""
     fake = FakeRates(fp32=60, bf16=12, int8=0.0, int8_kernel=None, excluded={"onednn": "not exact here", "int_mm": "not exact here"})
@@ -428,6 +447,7 @@ def test_the_fp16_packed_weight_only_projection_is_fp32_arithmetic_on_fp16_stora
     [
         (FakeRates(fp32=217, bf16=64, int8=785, fp16_packed=253, two_digit=390), "w8a8-two-digit"),  # VNNI: faster than fp16-packed
         (FakeRates(fp32=300, bf16=1900, int8=3000, fp16_packed=80, two_digit=1500), "weight-only"),  # AMX: bf16 copies faster
+        (FakeRates(fp32=146, bf16=892, int8=1041, fp16_packed=163, two_digit=1323), "weight-only"),  # AMX (E): a lucky probe
         (FakeRates(fp32=120, bf16=20, int8=300, fp16_packed=125, two_digit=150), "w8a8-two-digit"),  # AVX2 (FBGEMM)
         (FakeRates(fp32=120, bf16=20, int8=300, fp16_packed=125), "weight-only"),  # no two-digit rate measured
     ],
@@ -441,6 +461,16 @@ def test_the_gated_products_run_in_two_digits_where_the_probe_finds_it_fastest(r
     print(f"{expected}: {chosen.name} compact={chosen.compact} ({chosen.reason})")
     assert chosen.name == "int8-w8a8"  # 8.3 GiB at 1 byte fits 8.8 GiB usable either way
     assert ("two int8 digits" in chosen.reason) == bool(rates.two_digit)
+
+
+def test_the_compact_form_is_taken_only_where_the_copies_do_not_fit():
+    """On AMX (E) the probe's small product can time W8A8 compact (two digits) ahead of the bf16 copies; the
+    9B record measured it slower, so with room for the copies the default keeps them."""
+    amx = FakeRates(fp32=146, bf16=892, int8=1041, fp16_packed=163, two_digit=1323)
+    roomy = choose_precision(CPU, stored_int8=True, calibrated=True, rates=lambda: amx, parameters=NINE_B, memory_bytes=23 * GIB)
+    tight = choose_precision(CPU, stored_int8=True, calibrated=True, rates=lambda: amx, parameters=NINE_B, memory_bytes=11 * GIB)
+    assert (roomy.name, roomy.compact) == ("int8-w8a8", False)
+    assert (tight.name, tight.compact) == ("int8-w8a8", True) and "two int8 digits" in tight.reason
 
 
 def test_two_digits_match_the_exact_product_to_15_bits():

@@ -30,7 +30,8 @@ from .checkpoint.w8a8 import W8A8_KERNELS, exactness_error, fp16_pack, fp16_pack
 from .checkpoint.vocab import cache_dir
 from .model.precision import BF16
 
-PROBE_VERSION = 4  # 2: kernels qualified on exactness first; the rates of every kernel, the excluded ones; 3: fp16_packed; 4: two_digit
+PROBE_VERSION = 5  # 2: kernels qualified on exactness first; the rates of every kernel, the excluded ones; 3: fp16_packed; 4: two_digit;
+# 5: W8A8's kernel is the fastest exact one with 8-bit activations before any with 7
 ISA_LIMITS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "FBGEMM_ENABLE_INSTRUCTIONS")  # env caps on kernels
 PROBE_SHAPE = (256, 4096, 4096)  # tokens, in features, out features
 FEATURE_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
@@ -42,8 +43,9 @@ class Rates:
 
     fp32: float
     bf16: float
-    int8: float  # the fastest exact W8A8 kernel, its activation quantization included (0.0: none is exact)
-    int8_kernel: str | None  # which one (checkpoint/w8a8.py); None: no kernel is exact on this machine
+    int8: float  # W8A8's kernel, its activation quantization included (0.0: none is exact)
+    int8_kernel: str | None  # which one (checkpoint/w8a8.py): the fastest exact with 8-bit activations, else the
+    # fastest exact; None: no kernel is exact on this machine
     kernels: dict[str, float] = field(default_factory=dict)  # every exact kernel's G(OP)/s
     excluded: dict[str, str] = field(default_factory=dict)  # kernel -> why it never runs here
     fp16_packed: float = 0.0  # FBGEMM's fp16-packed linear (fp32 arithmetic); 0.0: not in this torch build
@@ -104,6 +106,13 @@ def _best_seconds(run, repeats: int) -> float:
     return best
 
 
+def w8a8_choice(kernels: dict[str, float], fp32: float) -> str | None:
+    """W8A8's kernel among the exact ones (name -> G(OP)/s): the fastest with 8-bit activations that is no
+    reference loop (precision.SEVEN_BIT_KERNELS do not qualify for the default), else the fastest; None: none."""
+    eight_bit = [name for name in kernels if W8A8_KERNELS[name].levels == 127 and kernels[name] >= fp32 / 10]
+    return max(eight_bit or kernels, key=kernels.get) if kernels else None
+
+
 def measure(repeats: int = 3, shape: tuple[int, int, int] = PROBE_SHAPE) -> Rates:
     """Qualify the W8A8 kernels on exactness, then time the probe's product in fp32, bf16 and through each
     exact kernel on this CPU (best of `repeats`).
@@ -137,7 +146,7 @@ def measure(repeats: int = 3, shape: tuple[int, int, int] = PROBE_SHAPE) -> Rate
             kernels[kernel.name] = rate(lambda: kernel.linear(x, packed, scale))
         else:
             kernels[kernel.name] = small  # a reference loop: exact, usable when forced, never the default
-    best = max(kernels, key=kernels.get) if kernels else None
+    best = w8a8_choice(kernels, fp32)
     two_digit = 0.0
     if best is not None and kernels[best] >= fp32 / 10:  # the same product, its activations in two int8 digits
         kernel = W8A8_KERNELS[best]

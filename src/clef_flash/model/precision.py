@@ -258,6 +258,11 @@ class Plan:
 QUALIFIED_RELEASE = ("fp32", "bf16", "int8-weight-only")
 QUALIFIED_BUNDLE = ("int8-weight-only",)
 QUALIFIED_CALIBRATED_BUNDLE = ("int8-w8a8", "int8-weight-only")
+# W8A8 qualifies with 8-bit activations only: on a kernel that rounds them to 7 bits (FBGEMM's, checkpoint/w8a8.py),
+# calibrated W8A8 differed in 2 decisions where the reference's bf16 differed in 1 (plain release), and its median
+# |dp| was 1.9x the reference's on the outlier release (benchmarks/agreement.py under emulated AVX2, README).
+# Such a kernel still runs W8A8 when it is asked for.
+SEVEN_BIT_KERNELS = ("fbgemm",)
 W8A8_INT8_SHARE = 0.69  # of a 9B layer block's projection FLOPs, those W8A8 runs in int8 (the rest: W8A8_WEIGHT_ONLY)
 WEIGHT_ONLY_OVERHEAD = 1.15  # dequantizing tiles costs ~15% over the fp32 product it feeds (measured)
 ENVIRONMENT = "CLEF_FLASH_PRECISION"
@@ -269,7 +274,8 @@ class Rates(Protocol):
     fp32: float
     bf16: float
     int8: float
-    int8_kernel: str | None  # the fastest exact W8A8 kernel; None: none is exact on this machine
+    int8_kernel: str | None  # W8A8's kernel: the fastest exact one with 8-bit activations, else the fastest exact
+    # one (SEVEN_BIT_KERNELS: run only when asked for); None: none is exact on this machine
     excluded: dict[str, str]
     fp16_packed: float  # FBGEMM's fp16-packed linear (fp32 arithmetic, 2 bytes a weight); 0.0: not in this build
     two_digit: float  # the fastest exact kernel with two int8 digits per activation (effective rate); 0.0: none
@@ -295,11 +301,19 @@ def dense_gated_rate(rates: Rates) -> float:
 
 
 def gated_mode_for(rates: Rates, *, compact: bool = False) -> str:
-    """How W8A8 runs its gated products here: in two int8 digits (1 byte a weight) where the probe measured
-    that at least as fast as their 2-byte weight-only form, or where `compact`; else weight-only."""
-    if rates.two_digit > 0 and (compact or rates.two_digit >= dense_gated_rate(rates)):
+    """How W8A8 runs its gated products here: in two int8 digits (1 byte a weight) where `compact`, or where
+    their 2-byte form computes in fp32 (fp16-packed, tiles) and the probe measured two digits at least as fast;
+    else weight-only. A bf16 copy is kept where it fits: where bf16 is fast (AMX, AVX-512 BF16) int8 runs at
+    most twice bf16's peak, so two products of int8 are one of bf16 at best; on E (README) the probe's small
+    product put two digits ahead in one run of two (1,323 against 892) and behind in the other (505 against
+    776), while the 9B record took 14-23% longer with them."""
+    if rates.two_digit <= 0:
+        return WEIGHT_ONLY
+    if compact:
         return TWO_DIGITS
-    return WEIGHT_ONLY
+    if dense_dtype_for(rates) == BF16:
+        return WEIGHT_ONLY
+    return TWO_DIGITS if rates.two_digit >= dense_gated_rate(rates) else WEIGHT_ONLY
 
 
 # Bytes a decoder parameter takes in memory, by precision (int8: the weight and its scales; W8A8: its
@@ -363,6 +377,9 @@ def choose_precision(
         name = "bf16" if not stored_int8 else "int8-weight-only"
         return PRECISIONS[name].with_reason(f"on {device.type}: {name} until an 8-bit path qualifies there")
     measured = rates()
+    seven_bit = "int8-w8a8" in candidates and measured.int8_kernel in SEVEN_BIT_KERNELS
+    if seven_bit:  # W8A8's kernel here has 7-bit activations: not qualified
+        candidates = tuple(name for name in candidates if name != "int8-w8a8")
     if "int8-w8a8" in candidates and gated_mode_for(measured) != TWO_DIGITS:
         # its 1-byte form (gated products in two digits), right after it: chosen when the 2-byte copies do not fit
         at = candidates.index("int8-w8a8") + 1
@@ -379,6 +396,8 @@ def choose_precision(
     needs = {name: (parameters or 0) * bytes_per_parameter[name] for name in candidates}
     room = None if memory_bytes is None or not parameters else MEMORY_SHARE * memory_bytes
     fitting_ones = [name for name in candidates if room is None or needs[name] <= room]
+    if "int8-w8a8" in fitting_ones and COMPACT_W8A8 in fitting_ones:  # compact only where the copies do not fit
+        fitting_ones.remove(COMPACT_W8A8)
     if not fitting_ones:
         sizes = ", ".join(f"{name} {needs[name] / 2**30:.1f} GiB" for name in candidates)
         raise ValueError(
@@ -390,6 +409,8 @@ def choose_precision(
     figures = ", ".join(f"{name} {rate[name]:.0f}" for name in shown)
     kernel = f" ({measured.int8_kernel})" if best in ("int8-w8a8", COMPACT_W8A8) else ""
     reason = f"fastest qualified on this CPU{kernel}; probe G(FL)OP/s: {figures}"
+    if seven_bit:
+        reason += f"; int8-w8a8 left out: its kernel here ({measured.int8_kernel}) rounds activations to 7 bits, which does not qualify"
     left_out = [name for name in shown if name not in fitting_ones]
     if left_out:
         reason += "; too big for memory: " + ", ".join(f"{name} {needs[name] / 2**30:.1f} GiB" for name in left_out)
