@@ -395,6 +395,19 @@ def test_an_interrupted_export_resumes_writing_nothing_twice(tmp_path, monkeypat
 
 
 @pytest.mark.slow  # a Core ML export
+def test_an_export_leaves_no_temporary_packages_behind(tmp_path, monkeypatch):
+    """coremltools removes the packages it converts into only when the process exits: ~2.6 GB a bucket for the
+    9B, which filled the disk of a whole export. The export removes each as soon as it is saved."""
+    import tempfile
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    export_coreml("tiny", tmp_path / "export", buckets=(64, 128), layers_per_part=LAYERS_PER_PART, only_parts=[0], head_questions=2, head_options=4)
+    assert (tmp_path / "export" / "part00.mlpackage").is_dir()
+    assert sorted(path.name for path in scratch.iterdir() if path.suffix == ".mlpackage") == []
+
+
 def test_a_bundle_carries_its_own_int8_values_and_scales(tmp_path, tiny):
     from clef_flash.conversion import convert
 

@@ -27,6 +27,7 @@ import json
 import os
 import uuid
 import shutil
+import tempfile
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -160,9 +161,16 @@ def merge_functions(ct, packages: dict[int, Path], destination: Path) -> None:
     for bucket, package in sorted(packages.items()):
         descriptor.add_function(str(package), src_function_name="main", target_function_name=layout.function_name(bucket))
     descriptor.default_function_name = layout.function_name(min(packages))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        ct.utils.save_multifunction(descriptor, str(destination))
+    scratch = destination.parent / f".{destination.stem}.merging"  # the temporary package it converts into, then saves
+    scratch.mkdir(exist_ok=True)
+    before, tempfile.tempdir = tempfile.tempdir, str(scratch)  # (coremltools would leave it in /tmp until exit)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ct.utils.save_multifunction(descriptor, str(destination))
+    finally:
+        tempfile.tempdir = before
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _tree_bytes(path: Path) -> int:
@@ -357,14 +365,14 @@ def _package(ct, module, buckets, work: Path, destination: Path, log, *, example
     weights = quantized_weight_names(module) if quantized else []
     packages, ops = {}, {}
     for bucket in buckets:
-        mlmodel = _convert(ct, trace(module, example(bucket)), shapes(bucket), output, dtype, fp32_families)
-        if weights:
-            mlmodel = quantize(ct, mlmodel, weights)
+        converted = _convert(ct, trace(module, example(bucket)), shapes(bucket), output, dtype, fp32_families)
+        mlmodel = quantize(ct, converted, weights) if weights else converted
         if dtype == COREML_PART_DTYPE:
             ops[layout.function_name(bucket)] = fp32_ops(mlmodel._mil_program.functions["main"])
         packages[bucket] = work / f"{destination.stem}-{bucket}.mlpackage"
         mlmodel.save(str(packages[bucket]))
-        del mlmodel
+        _discard(converted, mlmodel)
+        del converted, mlmodel
         gc.collect()
         log(f"{destination.stem} L{bucket} converted")
     del module
@@ -372,6 +380,14 @@ def _package(ct, module, buckets, work: Path, destination: Path, log, *, example
     _pin_package_identifiers(destination)
     log(f"{destination.name}: {_tree_bytes(destination) / 1e6:,.1f} MB")
     return ops
+
+
+def _discard(*mlmodels) -> None:
+    """Remove the temporary packages coremltools made for `mlmodels` now: it removes them only when the process
+    exits, and a 9B export makes ~2.6 GB of them per bucket (the whole export's ~80 GB filled the disk)."""
+    for mlmodel in mlmodels:
+        if getattr(mlmodel, "is_temp_package", False) and mlmodel.package_path:
+            shutil.rmtree(mlmodel.package_path, ignore_errors=True)
 
 
 def _write_table(table: torch.Tensor, path: Path) -> None:
