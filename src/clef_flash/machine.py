@@ -106,10 +106,15 @@ def _best_seconds(run, repeats: int) -> float:
     return best
 
 
+def is_reference_loop(rate: float, fp32: float) -> bool:
+    """A kernel more than 10x slower than fp32: a reference fallback (seen at 0.1 GOP/s), exact but never the default."""
+    return rate < fp32 / 10
+
+
 def w8a8_choice(kernels: dict[str, float], fp32: float) -> str | None:
     """W8A8's kernel among the exact ones (name -> G(OP)/s): the fastest with 8-bit activations that is no
     reference loop (precision.SEVEN_BIT_KERNELS do not qualify for the default), else the fastest; None: none."""
-    eight_bit = [name for name in kernels if W8A8_KERNELS[name].levels == 127 and kernels[name] >= fp32 / 10]
+    eight_bit = [name for name in kernels if W8A8_KERNELS[name].levels == 127 and not is_reference_loop(kernels[name], fp32)]
     return max(eight_bit or kernels, key=kernels.get) if kernels else None
 
 
@@ -141,14 +146,14 @@ def measure(repeats: int = 3, shape: tuple[int, int, int] = PROBE_SHAPE) -> Rate
             continue
         packed = kernel.pack(small_q, small_scale)
         small = rate(lambda: kernel.linear(small_x, packed, small_scale), ops / 64)
-        if small >= fp32 / 10:
+        if not is_reference_loop(small, fp32):
             packed = kernel.pack(q, scale)
             kernels[kernel.name] = rate(lambda: kernel.linear(x, packed, scale))
         else:
             kernels[kernel.name] = small  # a reference loop: exact, usable when forced, never the default
     best = w8a8_choice(kernels, fp32)
     two_digit = 0.0
-    if best is not None and kernels[best] >= fp32 / 10:  # the same product, its activations in two int8 digits
+    if best is not None and not is_reference_loop(kernels[best], fp32):  # the same product, its activations in two int8 digits
         kernel = W8A8_KERNELS[best]
         packed = kernel.pack(q, scale)
         two_digit = rate(lambda: kernel.two_digit_linear(x, packed, scale))

@@ -43,15 +43,20 @@ from ..model.precision import FP32, INT8
 ONEDNN, INT_MM, FBGEMM = "onednn", "int_mm", "fbgemm"
 
 
+def _rows_and_scales(x2d: torch.Tensor, outliers: torch.Tensor | None, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, I] -> (x in fp32 with the `outliers` columns 0 (may be x itself), scale [M, 1] = row absmax / levels)."""
+    x32 = x2d.float()
+    if outliers is not None:
+        x32 = x32.index_fill(1, outliers, 0.0)
+    return x32, x32.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(FP32).tiny) / levels
+
+
 def quantize_per_token(
     x2d: torch.Tensor, outliers: torch.Tensor | None = None, levels: int = 127, dtype: torch.dtype = INT8
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, I] -> (integers in [-levels, levels] as `dtype` [M, I], fp32 scale [M, 1]): absmax per row / levels;
     the `outliers` columns read as 0 (they go through the dense side product)."""
-    x32 = x2d.float()
-    if outliers is not None:
-        x32 = x32.index_fill(1, outliers, 0.0)
-    scale = x32.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(FP32).tiny) / levels  # [M, 1]
+    x32, scale = _rows_and_scales(x2d, outliers, levels)
     return torch.round(x32 / scale).clamp_(-levels, levels).to(dtype), scale  # not in place: x32 may be x itself
 
 
@@ -62,11 +67,8 @@ def quantize_two_digits(
     hi * base + lo = round(x / scale) (but for the odd tie, one unit off), |hi|, |lo| <= levels; the `outliers`
     columns read as 0."""
     base = 2 * levels
-    x32 = x2d.float()
-    if outliers is not None:
-        x32 = x32.index_fill(1, outliers, 0.0)
+    x32, scale = _rows_and_scales(x2d, outliers, levels * base)
     rows = x32.shape[0]
-    scale = x32.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(FP32).tiny) / (levels * base)  # [M, 1]
     # Few fresh [M, I] buffers (each is page faults and a pass) and in-place steps: this runs before every gated product.
     units = x32 / (scale * base)  # [M, I] in [-levels, levels]: the integers round(x / scale), divided by base
     hi = units.round()  # [M, I]
