@@ -10,7 +10,8 @@ the reference's own bf16, median |dp| at most 2x its (the rule model/precision.p
 
 Paths: our bf16; int8 weight-only and W8A8 quantized from the release (no calibration); a converted
 bundle calibrated on the built-in requests (outlier channels in fp32) in W8A8 (as this CPU's probe runs its
-gated products, then with them forced to a 2-byte copy and to two int8 digits) and weight-only; each release's and
+gated products, then with them forced to a 2-byte copy and to two int8 digits, then on FBGEMM, the kernel of AVX2-only
+CPUs: 7-bit, one digit at the MLP's inputs and two elsewhere) and weight-only; each release's and
 bundle's default (`precision=None`) on this machine. The outlier ratio (largest / median channel absmax
 at each projection's input, from the calibration run) is printed for each release.
 """
@@ -31,6 +32,7 @@ from conftest import ReferenceModel, load_reference_module  # noqa: E402
 
 import clef_flash  # noqa: E402
 import clef_flash.plan  # noqa: E402
+from clef_flash.checkpoint.w8a8 import FBGEMM  # noqa: E402
 from clef_flash.model.precision import TWO_DIGITS, WEIGHT_ONLY  # noqa: E402
 from clef_flash.checkpoint.random_release import write_random_release  # noqa: E402
 from clef_flash.checkpoint.outliers import outlier_ratios  # noqa: E402
@@ -53,6 +55,17 @@ def load_with_gated(source: Path, gated_mode: str):
         clef_flash.plan.gated_mode_for = chosen
 
 
+def load_on_kernel(source: Path, kernel: str):
+    """The calibrated bundle in W8A8 on `kernel` (FBGEMM: the one an AVX2-only CPU runs), whatever this CPU's probe
+    prefers: the kernels are exact, so the figures are those of any CPU that runs it."""
+    chosen = clef_flash.plan.w8a8_kernel
+    clef_flash.plan.w8a8_kernel = lambda measured: kernel
+    try:
+        return clef_flash.load(source, device="cpu", precision="int8-w8a8")
+    finally:
+        clef_flash.plan.w8a8_kernel = chosen
+
+
 def paths(root: Path, bundle: Path, module) -> dict:
     load = lambda source, precision: clef_flash.load(source, device="cpu", precision=precision)  # noqa: E731
     release_default, bundle_default = load(root, None), load(bundle, None)
@@ -64,19 +77,21 @@ def paths(root: Path, bundle: Path, module) -> dict:
         "int8 w8a8 (calibrated bundle)": load(bundle, "int8-w8a8").logits,
         "  gated products 2-byte copy": load_with_gated(bundle, WEIGHT_ONLY).logits,
         "  gated products two int8 digits": load_with_gated(bundle, TWO_DIGITS).logits,
+        "  on fbgemm (AVX2-only CPUs)": load_on_kernel(bundle, FBGEMM).logits,
         "int8 weight-only (calibrated bundle)": load(bundle, "int8-weight-only").logits,
         f"default of the release: {release_default.precision}": release_default.logits,
         f"default of the bundle: {bundle_default.precision}": bundle_default.logits,
     }
 
 
-def compare(config: str, requests: int, seed: int, module) -> dict:
+def compare(config: str, requests: int, seed: int, module, candidates_of=paths) -> dict:
+    """`candidates_of(release, bundle, module)` -> name -> logits function: the rows (the reference bf16 among them)."""
     work = Path(tempfile.mkdtemp())
     root = write_random_release(work / config, config, seed=seed)
     fp32 = clef_flash.load(root, device="cpu", precision="fp32")
     ratios = outlier_ratios(calibrate(fp32, default_calibration_requests()))
     bundle = convert(root, work / "bundle", progress=False)
-    candidates = paths(root, bundle, module)
+    candidates = candidates_of(root, bundle, module)
     reference_fp32 = ReferenceModel(module, root, torch.float32)
     flips = {name: [] for name in candidates}
     deltas = {name: [] for name in candidates}

@@ -166,23 +166,73 @@ def test_a_w8a8_kernel_runs_only_where_it_is_exact(name):
             assert error < 1e-6, (rows, outliers, error)  # the same int32 sums, scaled in another order
 
 
-def test_w8a8_on_7_bit_activations_is_never_the_default():
-    """FBGEMM rounds activations to 7 bits, which does not qualify (benchmarks/agreement.py): a calibrated bundle
-    then defaults to weight-only, says why, and still runs W8A8 on it when asked; an exact 8-bit kernel, even
-    a slower one, is W8A8's kernel before it."""
+def test_w8a8_on_7_bit_activations_takes_two_digits_but_at_the_mlp_inputs():
+    """FBGEMM rounds activations to 7 bits: W8A8 on it runs one digit at the MLP's inputs only and two digits at every
+    other projection (benchmarks/agreement.py: that keeps weight-only's decisions), is the default where the probe
+    finds that fastest, says so, and is left out (with the reason) where no two-digit rate was measured; an exact
+    8-bit kernel, even a slower one, is W8A8's kernel before it."""
     from clef_flash.checkpoint.w8a8 import FBGEMM, ONEDNN
-    from clef_flash.model.precision import SEVEN_BIT_KERNELS, w8a8_kernel
+    from clef_flash.model.precision import SEVEN_BIT_KERNELS, TWO_DIGITS, W8A8, WEIGHT_ONLY, int8_mode_of, w8a8_kernel
 
     assert set(SEVEN_BIT_KERNELS) == {name for name, kernel in W8A8_KERNELS.items() if kernel.levels < 127}
-    avx2 = FakeRates(fp32=120, bf16=20, int8=300, int8_kernel=FBGEMM, fp16_packed=125, two_digit=150)
-    chosen = choose_precision(torch.device("cpu"), stored_int8=True, calibrated=True, rates=lambda: avx2)
-    assert chosen.name == "int8-weight-only"
-    assert "int8-w8a8 left out: its kernel here (fbgemm) rounds activations to 7 bits" in chosen.reason
-    assert w8a8_kernel(avx2) == FBGEMM  # forced
+    modes = {
+        name: (int8_mode_of(f"layers.0.{name}", W8A8, WEIGHT_ONLY, FBGEMM), int8_mode_of(f"layers.0.{name}", W8A8, WEIGHT_ONLY, ONEDNN))
+        for name in ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "linear_attn.in_proj_qkv", "self_attn.q_proj", "self_attn.o_proj")
+    }
+    assert modes == {
+        "mlp.gate_proj": (W8A8, W8A8),
+        "mlp.up_proj": (W8A8, W8A8),
+        "mlp.down_proj": (TWO_DIGITS, WEIGHT_ONLY),
+        "linear_attn.in_proj_qkv": (TWO_DIGITS, W8A8),
+        "self_attn.q_proj": (TWO_DIGITS, W8A8),
+        "self_attn.o_proj": (TWO_DIGITS, WEIGHT_ONLY),
+    }
+    avx2 = FakeRates(fp32=120, bf16=20, int8=300, int8_kernel=FBGEMM, fp16_packed=125, two_digit=150)  # Zen 3's kernels
+    chosen = choose_precision(CPU, stored_int8=True, calibrated=True, rates=lambda: avx2)
+    print(chosen.reason)
+    assert chosen.name == "int8-w8a8" and not chosen.compact
+    assert "7-bit activations: one int8 digit at gate_proj, up_proj (300), two at every other projection (150)" in chosen.reason
+    slow_digits = FakeRates(fp32=120, bf16=20, int8=300, int8_kernel=FBGEMM, fp16_packed=125, two_digit=60)
+    assert choose_precision(CPU, stored_int8=True, calibrated=True, rates=lambda: slow_digits).name == "int8-weight-only"
+    no_digits = FakeRates(fp32=120, bf16=20, int8=300, int8_kernel=FBGEMM, fp16_packed=125, two_digit=0.0)
+    left_out = choose_precision(CPU, stored_int8=True, calibrated=True, rates=lambda: no_digits)
+    assert left_out.name == "int8-weight-only" and "int8-w8a8 left out: its kernel here (fbgemm) rounds activations to 7 bits" in left_out.reason
+    assert choose_precision(CPU, stored_int8=True, calibrated=False, rates=lambda: avx2).name == "int8-weight-only"  # uncalibrated
+    assert w8a8_kernel(avx2) == FBGEMM
     assert machine.w8a8_choice({FBGEMM: 300.0, INT_MM: 200.0}, 120.0) == INT_MM
     assert machine.w8a8_choice({FBGEMM: 300.0, ONEDNN: 0.1}, 120.0) == FBGEMM  # a reference loop is last
     assert machine.w8a8_choice({FBGEMM: 300.0}, 120.0) == FBGEMM
     assert machine.w8a8_choice({}, 120.0) is None
+
+
+def test_a_7_bit_kernels_w8a8_model_runs_its_digits_and_decides_as_weight_only(tiny_dir, tmp_path, monkeypatch):
+    """A calibrated bundle on FBGEMM (the plan of an AVX2-only CPU): every linear in the mode `int8_mode_of` gives,
+    1 byte a weight, the plan says which projections take one digit, and the answers are weight-only's."""
+    from clef_flash.checkpoint.w8a8 import FBGEMM
+
+    if not W8A8_KERNELS[FBGEMM].available():
+        pytest.skip("FBGEMM is not in this torch build (not x86)")
+    monkeypatch.delenv("CLEF_FLASH_PRECISION", raising=False)
+    bundle = convert(tiny_dir, tmp_path / "bundle", progress=False)
+    avx2 = FakeRates(fp32=120, bf16=20, int8=300, int8_kernel=FBGEMM, excluded={}, fp16_packed=125, two_digit=150)
+    monkeypatch.setattr(clef_flash.plan, "machine_rates", lambda: avx2)
+    model = clef_flash.load(bundle, device="cpu")
+    assert model.precision == "int8-w8a8" and model.plan.kernel == FBGEMM and model.plan.dense_dtype is None
+    assert model.plan.describe()["one_digit"].startswith("gate_proj, up_proj (7-bit")
+    linears = {name: module for name, module in model.parts.decoder.named_modules() if isinstance(module, Int8Linear)}
+    one_digit = {name for name, module in linears.items() if module.mode == "w8a8"}
+    assert one_digit and all(name.endswith(("gate_proj", "up_proj")) for name in one_digit)
+    assert {module.mode for name, module in linears.items() if name not in one_digit} == {"w8a8-two-digit"}
+    assert {module.kernel for module in linears.values()} == {FBGEMM}
+    monkeypatch.undo()
+    weight_only = clef_flash.load(bundle, device="cpu", precision="int8-weight-only")
+    worst = 0.0
+    for request in random_requests(3, 4):
+        a, b = model.probabilities(request), weight_only.probabilities(request)
+        for question_id, p in a.items():
+            worst = max(worst, max(abs(p[option] - b[question_id][option]) for option in p))
+    print(f"W8A8 on FBGEMM (7-bit: one digit at the MLP's inputs, two elsewhere) vs int8 weight-only: max |dp| {worst:.2e}")
+    assert worst < 2e-2
 
 
 def test_forced_w8a8_runs_the_exact_kernel_or_is_refused(tiny_dir, monkeypatch):

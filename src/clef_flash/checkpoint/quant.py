@@ -166,7 +166,7 @@ def replace_linears(
     """Swap every `nn.Linear` whose weight `is_quantized` for an `Int8Linear` (on the same device); returns their names.
 
     `outliers`: linear name -> number of outlier channels its source holds (from a calibrated bundle).
-    Each linear runs in `int8_mode_of(name, mode, gated_mode)`; `kernel` and `dense_dtype` as in `Int8Linear`.
+    Each linear runs in `int8_mode_of(name, mode, gated_mode, kernel)`; `kernel` and `dense_dtype` as in `Int8Linear`.
     """
     outliers = outliers or {}
     replaced = []
@@ -180,7 +180,7 @@ def replace_linears(
                     replacement = Int8Linear(
                         linear.in_features,
                         linear.out_features,
-                        int8_mode_of(full, mode, gated_mode),
+                        int8_mode_of(full, mode, gated_mode, kernel),
                         outliers=outliers.get(full, 0),
                         kernel=kernel,
                         dense_dtype=dense_dtype,

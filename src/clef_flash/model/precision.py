@@ -76,12 +76,16 @@ def is_quantized(name: str, shape: tuple[int, ...], keep: tuple[str, ...] | None
     return leaf == "weight" and is_projection and len(shape) == 2 and not name.endswith(keep)
 
 
-def int8_mode_of(linear_name: str, mode: str, gated_mode: str = WEIGHT_ONLY) -> str:
-    """The mode one projection runs in under `mode`: W8A8 runs W8A8_WEIGHT_ONLY in `gated_mode`
-    (weight-only, or two int8 digits per activation)."""
-    if mode == W8A8 and linear_name.rpartition(".")[2] in W8A8_WEIGHT_ONLY:
-        return gated_mode
-    return mode
+def int8_mode_of(linear_name: str, mode: str, gated_mode: str = WEIGHT_ONLY, kernel: str | None = None) -> str:
+    """The mode one projection runs in under `mode`: W8A8 runs W8A8_WEIGHT_ONLY in `gated_mode` (weight-only,
+    or two int8 digits per activation); on a kernel with 7-bit activations (SEVEN_BIT_KERNELS), everything but
+    SEVEN_BIT_ONE_DIGIT in two digits."""
+    if mode != W8A8:
+        return mode
+    projection = linear_name.rpartition(".")[2]
+    if kernel in SEVEN_BIT_KERNELS:
+        return W8A8 if projection in SEVEN_BIT_ONE_DIGIT else TWO_DIGITS
+    return gated_mode if projection in W8A8_WEIGHT_ONLY else mode
 
 
 def is_scale(name: str) -> bool:
@@ -239,10 +243,20 @@ class Plan:
             "int8_mode": self.int8_mode,
             "kernel": self.kernel,
             "gated_mode": self.gated_mode if self.int8_mode == W8A8 else None,
+            "one_digit": self.one_digit,
             "dense_dtype": str(self.dense_dtype).removeprefix("torch.") if self.dense_dtype is not None else None,
             "device": str(self.device),
             "reason": self.reason,
         }
+
+    @property
+    def one_digit(self) -> str | None:
+        """Under W8A8, which projections take their activations in one int8 digit (`int8_mode_of`)."""
+        if self.int8_mode != W8A8:
+            return None
+        if self.kernel in SEVEN_BIT_KERNELS:
+            return ", ".join(SEVEN_BIT_ONE_DIGIT) + " (7-bit activations; the rest in two digits)"
+        return "all but " + ", ".join(W8A8_WEIGHT_ONLY)
 
     def with_reason(self, reason: str) -> Plan:
         return dataclasses.replace(self, precision=self.precision.with_reason(reason))
@@ -258,11 +272,16 @@ class Plan:
 QUALIFIED_RELEASE = ("fp32", "bf16", "int8-weight-only")
 QUALIFIED_BUNDLE = ("int8-weight-only",)
 QUALIFIED_CALIBRATED_BUNDLE = ("int8-w8a8", "int8-weight-only")
-# W8A8 qualifies with 8-bit activations only: on a kernel that rounds them to 7 bits (FBGEMM's, checkpoint/w8a8.py),
-# calibrated W8A8 differed in 2 decisions where the reference's bf16 differed in 1 (plain release), and its median
-# |dp| was 1.9x the reference's on the outlier release (benchmarks/agreement.py under emulated AVX2, README).
-# Such a kernel still runs W8A8 when it is asked for.
+# On a kernel that rounds activations to 7 bits (FBGEMM's, checkpoint/w8a8.py; the only exact one on AVX2-only CPUs),
+# W8A8 with 7-bit activations at every projection but the gated products did not qualify: 2 decisions differing
+# where the reference's bf16 had 1 (plain release), median |dp| 1.9x the reference's (outliers). Measured family by
+# family (benchmarks/agreement.py, two seeds; exact kernels, so the figures hold on every CPU), only the MLP's inputs
+# keep the bundle's int8 weight-only decisions in 7 bits: there W8A8 runs one 7-bit digit at SEVEN_BIT_ONE_DIGIT
+# and two (13 bits, ~weight-only's numbers) at every other projection; calibrated bundles only (without the outlier
+# channels the MLP's 7-bit inputs flip 5 decisions of 60 on the outlier release).
 SEVEN_BIT_KERNELS = ("fbgemm",)
+SEVEN_BIT_ONE_DIGIT = ("gate_proj", "up_proj")
+SEVEN_BIT_ONE_DIGIT_SHARE = 0.47  # of a 9B layer block's projection FLOPs, those of SEVEN_BIT_ONE_DIGIT
 W8A8_INT8_SHARE = 0.69  # of a 9B layer block's projection FLOPs, those W8A8 runs in int8 (the rest: W8A8_WEIGHT_ONLY)
 WEIGHT_ONLY_OVERHEAD = 1.15  # dequantizing tiles costs ~15% over the fp32 product it feeds (measured)
 ENVIRONMENT = "CLEF_FLASH_PRECISION"
@@ -275,7 +294,7 @@ class Rates(Protocol):
     bf16: float
     int8: float
     int8_kernel: str | None  # W8A8's kernel: the fastest exact one with 8-bit activations, else the fastest exact
-    # one (SEVEN_BIT_KERNELS: run only when asked for); None: none is exact on this machine
+    # one (SEVEN_BIT_KERNELS: W8A8 then runs most projections in two digits, `int8_mode_of`); None: none is exact here
     excluded: dict[str, str]
     fp16_packed: float  # FBGEMM's fp16-packed linear (fp32 arithmetic, 2 bytes a weight); 0.0: not in this build
     two_digit: float  # the fastest exact kernel with two int8 digits per activation (effective rate); 0.0: none
@@ -309,7 +328,7 @@ def gated_mode_for(rates: Rates, *, compact: bool = False) -> str:
     776), while the 9B record took 14-23% longer with them."""
     if rates.two_digit <= 0:
         return WEIGHT_ONLY
-    if compact:
+    if compact or rates.int8_kernel in SEVEN_BIT_KERNELS:  # (a 7-bit kernel: `int8_mode_of`)
         return TWO_DIGITS
     if dense_dtype_for(rates) == BF16:
         return WEIGHT_ONLY
@@ -334,6 +353,10 @@ def w8a8_rate(measured: Rates, *, compact: bool = False) -> float:
     (`gated_mode_for`) for W8A8_WEIGHT_ONLY; 0 where no kernel is exact."""
     if measured.int8_kernel is None or measured.int8 <= 0:
         return 0.0
+    if measured.int8_kernel in SEVEN_BIT_KERNELS:  # one 7-bit digit at SEVEN_BIT_ONE_DIGIT, two elsewhere
+        if measured.two_digit <= 0:
+            return 0.0
+        return 1 / (SEVEN_BIT_ONE_DIGIT_SHARE / measured.int8 + (1 - SEVEN_BIT_ONE_DIGIT_SHARE) / measured.two_digit)
     if gated_mode_for(measured, compact=compact) == TWO_DIGITS:
         gated = measured.two_digit
     else:  # compact without a two-digit rate: dequantized tile by tile, as int8 weight-only
@@ -377,8 +400,8 @@ def choose_precision(
         name = "bf16" if not stored_int8 else "int8-weight-only"
         return PRECISIONS[name].with_reason(f"on {device.type}: {name} until an 8-bit path qualifies there")
     measured = rates()
-    seven_bit = "int8-w8a8" in candidates and measured.int8_kernel in SEVEN_BIT_KERNELS
-    if seven_bit:  # W8A8's kernel here has 7-bit activations: not qualified
+    seven_bit = measured.int8_kernel in SEVEN_BIT_KERNELS
+    if seven_bit and measured.two_digit <= 0:  # 7-bit activations throughout: not qualified
         candidates = tuple(name for name in candidates if name != "int8-w8a8")
     if "int8-w8a8" in candidates and gated_mode_for(measured) != TWO_DIGITS:
         # its 1-byte form (gated products in two digits), right after it: chosen when the 2-byte copies do not fit
@@ -409,13 +432,18 @@ def choose_precision(
     figures = ", ".join(f"{name} {rate[name]:.0f}" for name in shown)
     kernel = f" ({measured.int8_kernel})" if best in ("int8-w8a8", COMPACT_W8A8) else ""
     reason = f"fastest qualified on this CPU{kernel}; probe G(FL)OP/s: {figures}"
-    if seven_bit:
-        reason += f"; int8-w8a8 left out: its kernel here ({measured.int8_kernel}) rounds activations to 7 bits, which does not qualify"
+    if seven_bit and "int8-w8a8" not in candidates and stored_int8 and calibrated:
+        reason += f"; int8-w8a8 left out: its kernel here ({measured.int8_kernel}) rounds activations to 7 bits and has no two-digit rate"
     left_out = [name for name in shown if name not in fitting_ones]
     if left_out:
         reason += "; too big for memory: " + ", ".join(f"{name} {needs[name] / 2**30:.1f} GiB" for name in left_out)
         reason += f" of {room / 2**30:.1f} GiB usable"
-    if best == "int8-w8a8" and gated_mode_for(measured) == TWO_DIGITS:
+    if best == "int8-w8a8" and seven_bit:
+        reason += (
+            f"; 7-bit activations: one int8 digit at {', '.join(SEVEN_BIT_ONE_DIGIT)} ({measured.int8:.0f}), two at every other "
+            f"projection ({measured.two_digit:.0f}): 1 byte a weight"
+        )
+    elif best == "int8-w8a8" and gated_mode_for(measured) == TWO_DIGITS:
         reason += (
             f"; its gated products in two int8 digits ({measured.two_digit:.0f}, against {dense_gated_rate(measured):.0f} "
             "for a 2-byte copy): 1 byte a weight"
