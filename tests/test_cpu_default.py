@@ -205,7 +205,13 @@ def test_w8a8_on_7_bit_activations_takes_two_digits_but_at_the_mlp_inputs():
     assert machine.w8a8_choice({}, 120.0) is None
 
 
-def test_a_7_bit_kernels_w8a8_model_runs_its_digits_and_decides_as_weight_only(tiny_dir, tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def tiny_bundle(tiny_dir, tmp_path_factory):
+    """The tiny release as a calibrated bundle (read-only: tests load it, none changes it)."""
+    return convert(tiny_dir, tmp_path_factory.mktemp("tiny") / "bundle", progress=False)
+
+
+def test_a_7_bit_kernels_w8a8_model_runs_its_digits_and_decides_as_weight_only(tiny_bundle, monkeypatch):
     """A calibrated bundle on FBGEMM (the plan of an AVX2-only CPU): every linear in the mode `int8_mode_of` gives,
     1 byte a weight, the plan says which projections take one digit, and the answers are weight-only's."""
     from clef_flash.checkpoint.w8a8 import FBGEMM
@@ -213,7 +219,7 @@ def test_a_7_bit_kernels_w8a8_model_runs_its_digits_and_decides_as_weight_only(t
     if not W8A8_KERNELS[FBGEMM].available():
         pytest.skip("FBGEMM is not in this torch build (not x86)")
     monkeypatch.delenv("CLEF_FLASH_PRECISION", raising=False)
-    bundle = convert(tiny_dir, tmp_path / "bundle", progress=False)
+    bundle = tiny_bundle
     avx2 = FakeRates(fp32=120, bf16=20, int8=300, int8_kernel=FBGEMM, excluded={}, fp16_packed=125, two_digit=150)
     monkeypatch.setattr(clef_flash.plan, "machine_rates", lambda: avx2)
     model = clef_flash.load(bundle, device="cpu")
@@ -425,11 +431,11 @@ def test_a_calibrated_bundle_that_does_not_fit_runs_w8a8_compact(rates, memory_g
     assert ("compact" in chosen.reason) == compact and ("int8-w8a8 11.3 GiB" in chosen.reason) == compact
 
 
-def test_compact_w8a8_loads_at_one_byte_and_answers_as_w8a8(tiny_dir, tmp_path, monkeypatch):
+def test_compact_w8a8_loads_at_one_byte_and_answers_as_w8a8(tiny_bundle, monkeypatch):
     """The plan keeps W8A8's gated products at 1 byte (two int8 digits, no dense copy) when the copies do not fit;
     the answers stay those of W8A8 with a 2-byte copy."""
     monkeypatch.delenv("CLEF_FLASH_PRECISION", raising=False)
-    bundle = convert(tiny_dir, tmp_path / "bundle", progress=False)
+    bundle = tiny_bundle
     parameters = clef_flash.plan.decoder_parameters(clef_flash.checkpoint.open_checkpoint(bundle))
     kernel = machine.rates().int8_kernel
     fast_int8 = FakeRates(fp32=300, bf16=1900, int8=3000, int8_kernel=kernel, excluded={}, fp16_packed=80, two_digit=1500)
