@@ -10,7 +10,8 @@ the reference's own bf16, median |dp| at most 2x its (the rule model/precision.p
 
 Paths: our bf16; int8 weight-only and W8A8 quantized from the release (no calibration); a converted
 bundle calibrated on the built-in requests (outlier channels in fp32) in W8A8 (as this CPU's probe runs its
-gated products, then with them forced to a 2-byte copy and to two int8 digits, then on FBGEMM, the kernel of AVX2-only
+gated products, then with them forced to a 2-byte copy, to two int8 digits and to int8 widened to bf16 per forward
+(compact where bf16 is fast), then on FBGEMM, the kernel of AVX2-only
 CPUs: 7-bit, one digit at the MLP's inputs and two elsewhere) and weight-only; each release's and
 bundle's default (`precision=None`) on this machine. The outlier ratio (largest / median channel absmax
 at each projection's input, from the calibration run) is printed for each release.
@@ -33,7 +34,7 @@ from conftest import ReferenceModel, load_reference_module  # noqa: E402
 import clef_flash  # noqa: E402
 import clef_flash.plan  # noqa: E402
 from clef_flash.checkpoint.w8a8 import FBGEMM  # noqa: E402
-from clef_flash.model.precision import TWO_DIGITS, WEIGHT_ONLY  # noqa: E402
+from clef_flash.model.precision import BF16_SCRATCH, TWO_DIGITS, WEIGHT_ONLY  # noqa: E402
 from clef_flash.checkpoint.random_release import write_random_release  # noqa: E402
 from clef_flash.checkpoint.outliers import outlier_ratios  # noqa: E402
 from clef_flash.conversion import calibrate, default_calibration_requests  # noqa: E402
@@ -77,6 +78,7 @@ def paths(root: Path, bundle: Path, module) -> dict:
         "int8 w8a8 (calibrated bundle)": load(bundle, "int8-w8a8").logits,
         "  gated products 2-byte copy": load_with_gated(bundle, WEIGHT_ONLY).logits,
         "  gated products two int8 digits": load_with_gated(bundle, TWO_DIGITS).logits,
+        "  gated products int8 widened to bf16 per forward": load_with_gated(bundle, BF16_SCRATCH).logits,
         "  on fbgemm (AVX2-only CPUs)": load_on_kernel(bundle, FBGEMM).logits,
         "int8 weight-only (calibrated bundle)": load(bundle, "int8-weight-only").logits,
         f"default of the release: {release_default.precision}": release_default.logits,

@@ -11,7 +11,8 @@ the built-in requests) unless it is there, then in a fresh process loads the bun
 ~370-token, 3-question record three times (the first reads the weights from disk and packs them for this
 CPU; the faster of the other two is the warm figure, both are printed). Each step runs in its own process, so each peak
 RSS is its own. `--gated` forces the form of W8A8's gated products (`two-digit`: int8 digits, 1 byte a
-weight; `weight-only`: the 2-byte copy this CPU would take; `probe`: the probe's choice), one fresh process
+weight; `weight-only`: the 2-byte copy this CPU would take; `bf16-scratch`: int8 widened to bf16 per forward, 1 byte a
+weight; `probe`: the probe's choice), one fresh process
 each, alternating for `--rounds` rounds. `--answer-from release` skips the conversion and answers from the release (what a user who
 never converts gets: with no precision, the default that fits this machine's memory).
 """
@@ -57,7 +58,7 @@ def main() -> None:
     parser.add_argument("--precision", default="default", help="default (this machine's), int8-weight-only or int8-w8a8")
     parser.add_argument("--answer-from", choices=("bundle", "release"), default="bundle")
     parser.add_argument("--memory-gb", type=float, help="choose the default as on a machine with this much memory available")
-    parser.add_argument("--gated", default="probe", help="comma-separated forms of W8A8's gated products: probe, two-digit, weight-only")
+    parser.add_argument("--gated", default="probe", help="comma-separated forms of W8A8's gated products: probe, two-digit, weight-only, bf16-scratch")
     parser.add_argument("--json", type=Path, help="also write every answer step's figures to this file")
     parser.add_argument("--rounds", type=int, default=1, help="answer steps per --gated form, alternating")
     args = parser.parse_args()
@@ -111,7 +112,7 @@ def main() -> None:
 
 def answer_step(answered: Path, precision: str | None, memory_gb: float | None, gated: str) -> dict:
     """Load `answered` in a fresh process and answer the typical record three times; the figures."""
-    forms = {"probe": None, "two-digit": "w8a8-two-digit", "weight-only": "weight-only"}
+    forms = {"probe": None, "two-digit": "w8a8-two-digit", "weight-only": "weight-only", "bf16-scratch": "weight-only-bf16-scratch"}
     if gated not in forms:
         sys.exit(f"--gated: {gated!r} is not one of {', '.join(forms)}")
     answer, _, _ = run_step(

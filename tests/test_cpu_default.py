@@ -431,20 +431,25 @@ def test_a_calibrated_bundle_that_does_not_fit_runs_w8a8_compact(rates, memory_g
     assert ("compact" in chosen.reason) == compact and ("int8-w8a8 11.3 GiB" in chosen.reason) == compact
 
 
-def test_compact_w8a8_loads_at_one_byte_and_answers_as_w8a8(tiny_bundle, monkeypatch):
-    """The plan keeps W8A8's gated products at 1 byte (two int8 digits, no dense copy) when the copies do not fit;
-    the answers stay those of W8A8 with a 2-byte copy."""
+@pytest.mark.parametrize(
+    ("bf16", "fp16_packed", "form"),
+    [(1900, 80, "weight-only-bf16-scratch"), (60, 400, "w8a8-two-digit")],  # AMX; VNNI with fp16-packed ahead of two digits
+)
+def test_compact_w8a8_loads_at_one_byte_and_answers_as_w8a8(tiny_bundle, monkeypatch, bf16, fp16_packed, form):
+    """The plan keeps W8A8's gated products at 1 byte (int8 widened to bf16 per forward where bf16 is fast, else two
+    int8 digits; no dense copy) when the copies do not fit; the answers stay those of W8A8 with a 2-byte copy."""
     monkeypatch.delenv("CLEF_FLASH_PRECISION", raising=False)
     bundle = tiny_bundle
     parameters = clef_flash.plan.decoder_parameters(clef_flash.checkpoint.open_checkpoint(bundle))
     kernel = machine.rates().int8_kernel
-    fast_int8 = FakeRates(fp32=300, bf16=1900, int8=3000, int8_kernel=kernel, excluded={}, fp16_packed=80, two_digit=1500)
+    fast_int8 = FakeRates(fp32=300, bf16=bf16, int8=3000, int8_kernel=kernel, excluded={}, fp16_packed=fp16_packed, two_digit=300)
     monkeypatch.setattr(clef_flash.plan, "machine_rates", lambda: fast_int8)
     monkeypatch.setattr(clef_flash.plan, "available_memory_bytes", lambda: int(parameters * 1.2 / 0.8))
     compact = clef_flash.load(bundle, device="cpu")
     assert compact.precision == "int8-w8a8" and compact.plan.dense_dtype is None and "compact" in compact.plan.reason
     down = compact.parts.decoder.layers[0].mlp.down_proj
-    assert down.mode == "w8a8-two-digit" and down.dense_dtype is None and compact.plan.gated_mode == "w8a8-two-digit"
+    assert down.mode == form and down.dense_dtype is None and compact.plan.gated_mode == form
+    assert compact.plan.describe()["gated_mode"] == form
     full = clef_flash.load(bundle, device="cpu", precision="int8-w8a8")
     worst = 0.0
     for request in random_requests(3, 4):
@@ -452,8 +457,11 @@ def test_compact_w8a8_loads_at_one_byte_and_answers_as_w8a8(tiny_bundle, monkeyp
         for question_id, p in a.items():
             worst = max(worst, max(abs(p[option] - b[question_id][option]) for option in p))
             assert max(p, key=p.get) == max(b[question_id], key=b[question_id].get)
-    assert down._prepared is down.weight or down.kernel != "int_mm"  # _int_mm reads the int8 weight itself: the only copy
-    print(f"compact vs 2-byte W8A8: max |dp| {worst:.2e}")
+    if form == "weight-only-bf16-scratch":
+        assert down._prepared.dtype == torch.int8  # widened into the shared scratch on each forward: no bf16 kept
+    else:
+        assert down._prepared is down.weight or down.kernel != "int_mm"  # _int_mm reads the int8 weight itself: the only copy
+    print(f"compact ({form}) vs 2-byte W8A8: max |dp| {worst:.2e}")
     assert worst < 2e-2
 
 
@@ -499,24 +507,26 @@ def test_the_fp16_packed_weight_only_projection_is_fp32_arithmetic_on_fp16_stora
 
 
 @pytest.mark.parametrize(
-    ("rates", "expected"),
+    ("rates", "expected", "compact"),
     [
-        (FakeRates(fp32=217, bf16=64, int8=785, fp16_packed=253, two_digit=390), "w8a8-two-digit"),  # VNNI: faster than fp16-packed
-        (FakeRates(fp32=300, bf16=1900, int8=3000, fp16_packed=80, two_digit=1500), "weight-only"),  # AMX: bf16 copies faster
-        (FakeRates(fp32=146, bf16=892, int8=1041, fp16_packed=163, two_digit=1323), "weight-only"),  # AMX (E): a lucky probe
-        (FakeRates(fp32=120, bf16=20, int8=300, fp16_packed=125, two_digit=150), "w8a8-two-digit"),  # AVX2 (FBGEMM)
-        (FakeRates(fp32=120, bf16=20, int8=300, fp16_packed=125), "weight-only"),  # no two-digit rate measured
+        (FakeRates(fp32=217, bf16=64, int8=785, fp16_packed=253, two_digit=390), "w8a8-two-digit", "w8a8-two-digit"),  # VNNI: faster than fp16-packed
+        (FakeRates(fp32=300, bf16=1900, int8=3000, fp16_packed=80, two_digit=1500), "weight-only", "weight-only-bf16-scratch"),  # AMX: bf16 copies faster
+        (FakeRates(fp32=146, bf16=892, int8=1041, fp16_packed=163, two_digit=1323), "weight-only", "weight-only-bf16-scratch"),  # AMX (E): a lucky probe
+        (FakeRates(fp32=120, bf16=20, int8=300, fp16_packed=125, two_digit=150), "w8a8-two-digit", "w8a8-two-digit"),  # AVX2 (FBGEMM)
+        (FakeRates(fp32=120, bf16=20, int8=300, fp16_packed=125), "weight-only", "weight-only"),  # no two-digit rate measured
     ],
 )
-def test_the_gated_products_run_in_two_digits_where_the_probe_finds_it_fastest(rates, expected):
+def test_the_gated_products_run_in_two_digits_where_the_probe_finds_it_fastest(rates, expected, compact):
     from clef_flash.model.precision import gated_mode_for
 
     assert gated_mode_for(rates) == expected
-    assert gated_mode_for(rates, compact=True) == ("w8a8-two-digit" if rates.two_digit else "weight-only")
+    assert gated_mode_for(rates, compact=True) == compact  # where bf16 is fast, 1 byte is int8 widened to bf16 per forward
     chosen = choose_precision(CPU, stored_int8=True, calibrated=True, rates=lambda: rates, parameters=NINE_B, memory_bytes=11 * GIB)
     print(f"{expected}: {chosen.name} compact={chosen.compact} ({chosen.reason})")
     assert chosen.name == "int8-w8a8"  # 8.3 GiB at 1 byte fits 8.8 GiB usable either way
-    assert ("two int8 digits" in chosen.reason) == bool(rates.two_digit)
+    one_byte = compact if chosen.compact else expected  # the 1-byte form the reason names
+    assert ("two int8 digits" in chosen.reason) == (one_byte == "w8a8-two-digit")
+    assert ("widened to bf16 per forward" in chosen.reason) == (one_byte == "weight-only-bf16-scratch")
 
 
 def test_the_compact_form_is_taken_only_where_the_copies_do_not_fit():
@@ -526,7 +536,30 @@ def test_the_compact_form_is_taken_only_where_the_copies_do_not_fit():
     roomy = choose_precision(CPU, stored_int8=True, calibrated=True, rates=lambda: amx, parameters=NINE_B, memory_bytes=23 * GIB)
     tight = choose_precision(CPU, stored_int8=True, calibrated=True, rates=lambda: amx, parameters=NINE_B, memory_bytes=11 * GIB)
     assert (roomy.name, roomy.compact) == ("int8-w8a8", False)
-    assert (tight.name, tight.compact) == ("int8-w8a8", True) and "two int8 digits" in tight.reason
+    assert (tight.name, tight.compact) == ("int8-w8a8", True) and "widened to bf16 per forward" in tight.reason
+
+
+def test_the_bf16_scratch_linear_rounds_once_and_keeps_one_byte():
+    """W8A8's gated products in compact form where bf16 is fast: the int8 weight widened to bf16 per forward
+    (exact), one rounding of the output; the buffer is shared by the linears of a shape, and the weight stays int8."""
+    from clef_flash.checkpoint.quant import bf16_scratch, dequantize
+
+    generator = torch.Generator().manual_seed(7)
+    weight = torch.randn(48, 80, generator=generator)
+    channels = torch.tensor([5, 60])
+    q, scale = quantize_per_channel(weight.index_fill(1, channels, 0.0))
+    x = torch.randn(9, 80, generator=generator) * torch.logspace(0, 2, 9)[:, None]
+    x[:, channels] *= 60
+    state = {"weight": q, "weight_scale": scale, "outlier_channels": channels, "outlier_weight": weight[:, channels]}
+    scratch, copy = (Int8Linear(80, 48, mode, outliers=2, dense_dtype=dense) for mode, dense in (("weight-only-bf16-scratch", None), ("weight-only", torch.bfloat16)))
+    for linear in (scratch, copy):
+        linear.load_state_dict(state)
+    exact = x.double() @ (dequantize(q, scale).double() + torch.zeros(48, 80, dtype=torch.float64).index_copy(1, channels, weight[:, channels].double())).t()
+    errors = [((linear(x).double() - exact).abs().max() / exact.abs().max()).item() for linear in (scratch, copy)]
+    print(f"bf16 scratch vs fp64: {errors[0]:.2e}; the bf16 copy: {errors[1]:.2e}")
+    assert scratch(x).dtype == torch.float32 and errors[0] < 4e-3 and errors[0] <= errors[1] * 1.5
+    assert scratch._prepared is scratch.weight  # nothing kept per linear (a weight in memory already is read as it is)
+    assert bf16_scratch((48, 80), torch.device("cpu")) is bf16_scratch((48, 80), torch.device("cpu"))
 
 
 def test_two_digits_match_the_exact_product_to_15_bits():

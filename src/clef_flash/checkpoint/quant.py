@@ -14,6 +14,9 @@ Compute modes (`Int8Linear.mode`):
   machine's probe found exact and fastest.
 - `w8a8-two-digit` (W8A8's gated products, where the probe found it fastest): as `w8a8`, each activation in
   two int8 digits (~15 bits; checkpoint/w8a8.py), the weight still its 1-byte int8.
+- `weight-only-bf16-scratch` (W8A8's gated products where bf16 is fast and their bf16 copies do not fit): the
+  int8 weight widened to bf16 on every forward into a scratch buffer shared by the linears of its shape (exact:
+  |q| <= 127), multiplied in bf16, the scale applied to the output; the weight stays 1 byte.
 - Outlier channels (LLM.int8()'s decomposition): a linear may carry a few input channels, found by
   calibration (checkpoint/outliers.py), that are multiplied densely in fp32 and left out of the int8 parts.
 
@@ -23,15 +26,18 @@ names, so loading a release as int8 and converting it to a bundle are the same c
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Iterator
 
 import torch
 from torch import nn
 
-from .safetensors_io import release_pages
+from .safetensors_io import is_mapped, release_pages
 from .w8a8 import INT_MM, W8A8_KERNELS, fp16_pack, fp16_packed_linear
 
 from ..model.precision import (
+    BF16,
+    BF16_SCRATCH,
     FP32,
     INT8,
     LINEAR_MODES,
@@ -68,6 +74,26 @@ def quantize_per_channel(weight: torch.Tensor, rows_at_once: int = 4096) -> tupl
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = FP32) -> torch.Tensor:
     """q int8 [O, I], scale [O] -> [O, I] in `dtype` (the product taken in fp32, then cast)."""
     return (q.float() * scale.float()[:, None]).to(dtype)
+
+
+_scratch = threading.local()  # .buffers: (shape, device) -> bf16 tensor; one set per thread that runs a model
+
+
+def bf16_scratch(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """A bf16 buffer of `shape` shared by every linear of that shape on this thread (overwritten by each use)."""
+    buffers = _scratch.__dict__.setdefault("buffers", {})
+    key = (shape, device)
+    if key not in buffers:
+        buffers[key] = torch.empty(shape, dtype=BF16, device=device)
+    return buffers[key]
+
+
+def bf16_scratch_linear(x2d: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x2d [M, I] @ dequantize(q, scale).T -> [M, O] fp32: q widened into a shared bf16 buffer (exact), the
+    product in bf16 with fp32 sums, the per-channel scale applied to the rounded output. Copying into a buffer
+    that exists costs ~4x less than `q.to(bf16)` (fresh pages); the weight is rounded once less than a bf16 copy."""
+    widened = bf16_scratch(tuple(q.shape), q.device).copy_(q)  # [O, I]
+    return (x2d.to(BF16) @ widened.t()).float().mul_(scale)
 
 
 def weight_only_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -121,7 +147,10 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, self.in_features)  # [M, I]
-        if self.mode == WEIGHT_ONLY:
+        if self.mode == BF16_SCRATCH:  # a mapped weight is read once into the process's own memory, as the W8A8 packs are
+            weight = self._prepare(lambda weight: weight.clone() if is_mapped(weight) else weight)
+            out = bf16_scratch_linear(x2d, weight, self.weight_scale)
+        elif self.mode == WEIGHT_ONLY:
             if self.dense_dtype is None:
                 out = weight_only_linear(x2d, self.weight, self.weight_scale).float()  # outlier columns of q are 0
             elif self.dense_dtype == PACKED_FP16 and x.device.type == "cpu":  # FBGEMM: fp16 storage, fp32 math

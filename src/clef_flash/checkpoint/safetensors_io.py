@@ -182,16 +182,23 @@ class SafetensorsFiles:
 _MAPPED: dict[int, tuple[int, weakref.ref]] = {}  # start -> (end, the map) of every live MappedSafetensors
 
 
+def is_mapped(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` views a file map that is still open (its pages are the page cache's, not the process's own)."""
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    return any(low <= start and end <= high and alive() is not None for low, (high, alive) in list(_MAPPED.items()))
+
+
 def release_pages(tensor: torch.Tensor) -> bool:
     """Give back the resident pages of a tensor that views a file map (they are clean: read again if touched).
 
     For a weight copied elsewhere (oneDNN's packed layout): without this, every page the copy read would
     stay in the process's resident set beside the copy. Does nothing (False) for any other tensor.
     """
+    if not is_mapped(tensor):
+        return False
     start = tensor.data_ptr()
     end = start + tensor.numel() * tensor.element_size()
-    if not any(low <= start and end <= high and alive() is not None for low, (high, alive) in list(_MAPPED.items())):
-        return False
     page = mmap.PAGESIZE
     first, last = -(-start // page) * page, end // page * page  # whole pages inside the tensor only
     if last > first:

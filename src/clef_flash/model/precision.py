@@ -51,7 +51,13 @@ W8A8_WEIGHT_ONLY = ("down_proj", "out_proj", "o_proj")
 # ... unless two int8 digits per activation (~15 bits, checkpoint/w8a8.py) run them faster than their 2-byte dense
 # form on this CPU: then they stay 1 byte a weight through the W8A8 kernel (`Plan.gated_mode`, `gated_mode_for`).
 TWO_DIGITS = "w8a8-two-digit"
-LINEAR_MODES = (*INT8_MODES, TWO_DIGITS)  # what an Int8Linear runs in
+# ... or, where the CPU multiplies bf16 fast (AMX, AVX-512 BF16) and the 2-byte copies do not fit (compact): the int8
+# weight widened to bf16 on every forward into one scratch buffer per shape (exact: |q| <= 127 is a bf16), the product
+# in bf16, the per-channel scale applied to the output; 1 byte a weight. The widening is memory-bound: on E it cost
+# 27-28% over the bf16 product at 370 tokens (down_proj and out_proj shapes), where two digits cost 2x.
+BF16_SCRATCH = "weight-only-bf16-scratch"
+SCRATCH_OVERHEAD = 1.3  # the widened product's time over the kept copy's, 370 tokens (E, measured)
+LINEAR_MODES = (*INT8_MODES, TWO_DIGITS, BF16_SCRATCH)  # what an Int8Linear runs in
 HEAD_DTYPE = FP32
 BUNDLE_EMBEDDING_DTYPE = BF16  # input and output embeddings in an 8-bit bundle
 # Core ML export (clef_flash/coreml/): the twins are traced in fp32; Core ML computes the decoder parts in
@@ -210,7 +216,7 @@ class Plan:
     kernel: str | None = None  # the W8A8 kernel (checkpoint/w8a8.py); None unless W8A8 on a CPU
     dense_dtype: torch.dtype | None = None  # W8A8's weight-only projections; None: tile by tile per forward
     backend: str = TORCH
-    gated_mode: str = WEIGHT_ONLY  # how W8A8 runs W8A8_WEIGHT_ONLY: weight-only (dense_dtype) or TWO_DIGITS
+    gated_mode: str = WEIGHT_ONLY  # how W8A8 runs W8A8_WEIGHT_ONLY: weight-only (dense_dtype), TWO_DIGITS or BF16_SCRATCH
 
     @property
     def name(self) -> str:
@@ -320,19 +326,30 @@ def dense_gated_rate(rates: Rates) -> float:
 
 
 def gated_mode_for(rates: Rates, *, compact: bool = False) -> str:
-    """How W8A8 runs its gated products here: in two int8 digits (1 byte a weight) where `compact`, or where
-    their 2-byte form computes in fp32 (fp16-packed, tiles) and the probe measured two digits at least as fast;
-    else weight-only. A bf16 copy is kept where it fits: where bf16 is fast (AMX, AVX-512 BF16) int8 runs at
-    most twice bf16's peak, so two products of int8 are one of bf16 at best; on E (README) the probe's small
-    product put two digits ahead in one run of two (1,323 against 892) and behind in the other (505 against
-    776), while the 9B record took 14-23% longer with them."""
-    if rates.two_digit <= 0:
-        return WEIGHT_ONLY
-    if compact or rates.int8_kernel in SEVEN_BIT_KERNELS:  # (a 7-bit kernel: `int8_mode_of`)
+    """How W8A8 runs its gated products here. Where bf16 is fast (AMX, AVX-512 BF16): a kept bf16 copy, or when
+    `compact` the int8 weight widened to bf16 per forward (BF16_SCRATCH); int8 runs at most twice bf16's peak there,
+    so two int8 products are one of bf16 at best (on E the 9B record took 14-23% longer in two digits). Elsewhere:
+    two int8 digits (1 byte a weight) where `compact`, or where their 2-byte form computes in fp32 (fp16-packed,
+    tiles) and the probe measured two digits at least as fast; else weight-only."""
+    if rates.two_digit > 0 and rates.int8_kernel in SEVEN_BIT_KERNELS:  # (a 7-bit kernel: `int8_mode_of`)
         return TWO_DIGITS
     if dense_dtype_for(rates) == BF16:
+        return BF16_SCRATCH if compact else WEIGHT_ONLY
+    if rates.two_digit <= 0:
         return WEIGHT_ONLY
+    if compact:
+        return TWO_DIGITS
     return TWO_DIGITS if rates.two_digit >= dense_gated_rate(rates) else WEIGHT_ONLY
+
+
+def gated_rate(rates: Rates, *, compact: bool = False) -> float:
+    """The probe's rate of W8A8's gated products in the form `gated_mode_for` gives them."""
+    mode = gated_mode_for(rates, compact=compact)
+    if mode == TWO_DIGITS:
+        return rates.two_digit
+    if mode == BF16_SCRATCH:
+        return rates.bf16 / SCRATCH_OVERHEAD
+    return weight_only_rate(rates) if compact else dense_gated_rate(rates)  # compact: dequantized tile by tile
 
 
 # Bytes a decoder parameter takes in memory, by precision (int8: the weight and its scales; W8A8: its
@@ -357,11 +374,7 @@ def w8a8_rate(measured: Rates, *, compact: bool = False) -> float:
         if measured.two_digit <= 0:
             return 0.0
         return 1 / (SEVEN_BIT_ONE_DIGIT_SHARE / measured.int8 + (1 - SEVEN_BIT_ONE_DIGIT_SHARE) / measured.two_digit)
-    if gated_mode_for(measured, compact=compact) == TWO_DIGITS:
-        gated = measured.two_digit
-    else:  # compact without a two-digit rate: dequantized tile by tile, as int8 weight-only
-        gated = weight_only_rate(measured) if compact else dense_gated_rate(measured)
-    return 1 / (W8A8_INT8_SHARE / measured.int8 + (1 - W8A8_INT8_SHARE) / gated)
+    return 1 / (W8A8_INT8_SHARE / measured.int8 + (1 - W8A8_INT8_SHARE) / gated_rate(measured, compact=compact))
 
 
 def w8a8_bytes(measured: Rates) -> float:
@@ -449,7 +462,10 @@ def choose_precision(
             "for a 2-byte copy): 1 byte a weight"
         )
     if best == COMPACT_W8A8:
-        form = "in two int8 digits per activation" if gated_mode_for(measured, compact=True) == TWO_DIGITS else "dequantized tile by tile"
+        form = {
+            TWO_DIGITS: "in two int8 digits per activation",
+            BF16_SCRATCH: "widened to bf16 per forward",
+        }.get(gated_mode_for(measured, compact=True), "dequantized tile by tile")
         reason += f"; compact: W8A8's gated products stay 1 byte, {form}"
         return dataclasses.replace(PRECISIONS["int8-w8a8"], compact=True, reason=reason)
     return PRECISIONS[best].with_reason(reason)
