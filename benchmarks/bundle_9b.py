@@ -6,7 +6,7 @@
     python benchmarks/bundle_9b.py --gated two-digit,weight-only --rounds 2   # W8A8's gated products both ways, alternating
 
 Writes `DIR/release-9b` (32 layers, hidden 4096, vocabulary 248,320: about 19 GB of bf16, generated, never
-committed) unless it is there, converts it to `DIR/bundle-9b` as `clef-flash convert` does (calibrated on
+committed) unless it is there or not needed (the bundle is there and answers), converts it to `DIR/bundle-9b` as `clef-flash convert` does (calibrated on
 the built-in requests) unless it is there, then in a fresh process loads the bundle and answers one
 ~370-token, 3-question record three times (the first reads the weights from disk and packs them for this
 CPU; the faster of the other two is the warm figure, both are printed). Each step runs in its own process, so each peak
@@ -65,7 +65,8 @@ def main() -> None:
     base = Path(args.dir).resolve()
     release, bundle = base / f"release-{args.config}", base / f"bundle-{args.config}"
 
-    if not (release / "config.json").is_file():
+    needs_release = args.answer_from == "release" or not (bundle / "manifest.json").is_file()
+    if needs_release and not (release / "config.json").is_file():  # (a converted bundle answers without it)
         print(f"writing the random {args.config} release to {release} ...", flush=True)
         _, wall, peak = run_step(
             f"""

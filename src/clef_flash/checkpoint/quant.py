@@ -32,7 +32,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from .safetensors_io import is_mapped, release_pages
+from .safetensors_io import is_mapped, release_pages, return_free_heap
 from .w8a8 import INT_MM, W8A8_KERNELS, fp16_pack, fp16_packed_linear
 
 from ..model.precision import (
@@ -175,6 +175,7 @@ class Int8Linear(nn.Module):
             self._prepared, self._prepared_from = make(self.weight), self.weight
             if self._prepared is not self.weight:  # (torch._int_mm reads the int8 weight as it is)
                 release_pages(self.weight)
+                return_free_heap()  # the packing's temporaries
         return self._prepared
 
     def extra_repr(self) -> str:

@@ -206,6 +206,17 @@ def release_pages(tensor: torch.Tensor) -> bool:
     return True
 
 
+def return_free_heap() -> None:
+    """Hand the C heap's free pages back to the system (glibc's `malloc_trim`; elsewhere nothing).
+
+    Packing a weight (FBGEMM, oneDNN, a private copy) allocates and frees temporaries of the weight's size; glibc
+    serves those under 32 MB from its heap once it has freed a mapped chunk, and the holes they leave stay
+    resident: on the 9B bundle (W8A8 on FBGEMM, emulated AVX2 on E) 0.9 GB of the resident set."""
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
 @functools.lru_cache(maxsize=1)
 def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)

@@ -18,7 +18,8 @@ integer products, and the machine's probe (machine.py) accepts only kernels whos
 FBGEMM quantizes activations itself, per tensor, as u8 with a zero point (`reduce_range`: 0..127). Its
 rounding is made to be ours exactly: each row is scaled to integers in [-63, 63] first, and two extra
 columns (-64 and 63, against zero weight columns) pin the tensor's range, so FBGEMM's scale is 1 and its
-zero point 64; the per-token scales are applied to the output rows after (a linear map lets them factor out).
+zero point 64; the per-token scales are applied to the output rows after (a linear map lets them factor out). The
+quantizers leave the two columns free after the integers (`W8A8Kernel.pad`), so the integers are written once.
 
 Two digits (`W8A8Kernel.two_digit_linear`): the projections whose inputs are heavy-tailed per token (the gated
 products, precision.W8A8_WEIGHT_ONLY) need more than 8 bits of activation. Each row is rounded to integers
@@ -52,20 +53,26 @@ def _rows_and_scales(x2d: torch.Tensor, outliers: torch.Tensor | None, levels: i
 
 
 def quantize_per_token(
-    x2d: torch.Tensor, outliers: torch.Tensor | None = None, levels: int = 127, dtype: torch.dtype = INT8
+    x2d: torch.Tensor, outliers: torch.Tensor | None = None, levels: int = 127, dtype: torch.dtype = INT8, pad: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, I] -> (integers in [-levels, levels] as `dtype` [M, I], fp32 scale [M, 1]): absmax per row / levels;
-    the `outliers` columns read as 0 (they go through the dense side product)."""
+    """x [M, I] -> (integers in [-levels, levels] as `dtype` [M, I + pad], fp32 scale [M, 1]): absmax per row / levels;
+    the `outliers` columns read as 0 (they go through the dense side product); the `pad` last columns are left for
+    the kernel to fill (FBGEMM's pins), so that it need not copy the integers again."""
     x32, scale = _rows_and_scales(x2d, outliers, levels)
-    return torch.round(x32 / scale).clamp_(-levels, levels).to(dtype), scale  # not in place: x32 may be x itself
+    units = (x32 / scale).round_().clamp_(-levels, levels)  # [M, I]; not in place: x32 may be x itself
+    if not pad:
+        return units.to(dtype), scale
+    integers = units.new_empty((units.shape[0], units.shape[1] + pad), dtype=dtype)  # [M, I + pad]
+    integers[:, : units.shape[1]] = units
+    return integers, scale
 
 
 def quantize_two_digits(
-    x2d: torch.Tensor, outliers: torch.Tensor | None = None, levels: int = 127, dtype: torch.dtype = INT8
+    x2d: torch.Tensor, outliers: torch.Tensor | None = None, levels: int = 127, dtype: torch.dtype = INT8, pad: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """x [M, I] -> (digits [2M, I] as `dtype`: the rows [hi; lo], fp32 scale [M, 1], base) with
+    """x [M, I] -> (digits [2M, I + pad] as `dtype`: the rows [hi; lo], fp32 scale [M, 1], base) with
     hi * base + lo = round(x / scale) (but for the odd tie, one unit off), |hi|, |lo| <= levels; the `outliers`
-    columns read as 0."""
+    columns read as 0; the `pad` last columns as in `quantize_per_token`."""
     base = 2 * levels
     x32, scale = _rows_and_scales(x2d, outliers, levels * base)
     rows = x32.shape[0]
@@ -73,9 +80,10 @@ def quantize_two_digits(
     units = x32 / (scale * base)  # [M, I] in [-levels, levels]: the integers round(x / scale), divided by base
     hi = units.round()  # [M, I]
     lo = units.sub_(hi).mul_(base).round_()  # (x / scale - hi * base) rounded: [M, I] in [-levels, levels]
-    digits = torch.empty(2 * rows, x32.shape[1], dtype=dtype, device=x32.device)  # [2M, I]
-    digits[:rows].copy_(hi)
-    digits[rows:].copy_(lo)
+    inner = x32.shape[1]
+    digits = torch.empty(2 * rows, inner + pad, dtype=dtype, device=x32.device)  # [2M, I + pad]
+    digits[:rows, :inner].copy_(hi)
+    digits[rows:, :inner].copy_(lo)
     return digits, scale, base
 
 
@@ -126,8 +134,9 @@ def _fbgemm_pack(q: torch.Tensor, scale: torch.Tensor) -> Any:
 
 
 def _fbgemm_multiply(xq: torch.Tensor, packed: Any, scale: torch.Tensor) -> torch.Tensor:
-    pins = xq.new_tensor(FBGEMM_PINS).expand(xq.shape[0], len(FBGEMM_PINS))  # [M, 2]
-    return torch.ops.quantized.linear_dynamic(torch.cat([xq, pins], dim=1), packed, True)  # [M, O] fp32
+    """xq [M, I + 2]: the integers and two columns for the pins (`W8A8Kernel.pad`), filled here."""
+    xq[:, -len(FBGEMM_PINS) :] = xq.new_tensor(FBGEMM_PINS)
+    return torch.ops.quantized.linear_dynamic(xq, packed, True)  # [M, O] fp32
 
 
 @dataclass(frozen=True)
@@ -138,16 +147,17 @@ class W8A8Kernel:
     available: Callable[[], bool]
     pack: Callable[[torch.Tensor, torch.Tensor], Any]  # (q int8 [O, I], scale [O]) -> the weight as it runs; once
     multiply: Callable[[torch.Tensor, Any, torch.Tensor], torch.Tensor]
+    pad: int = 0  # columns the quantizers leave after the integers, for `multiply` to fill
 
     def linear(self, x2d: torch.Tensor, packed: Any, scale: torch.Tensor, outliers: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, I] -> fp32 [M, O] (without the outlier channels' dense product, which the caller adds)."""
-        xq, x_scale = quantize_per_token(x2d, outliers, self.levels, self.activation_dtype)
+        xq, x_scale = quantize_per_token(x2d, outliers, self.levels, self.activation_dtype, self.pad)
         return self.multiply(xq, packed, scale).mul_(x_scale)
 
     def two_digit_linear(self, x2d: torch.Tensor, packed: Any, scale: torch.Tensor, outliers: torch.Tensor | None = None) -> torch.Tensor:
         """As `linear`, with each activation in two int8 digits (~15 bits: see the module's docstring)."""
         rows = x2d.shape[0]
-        digits, x_scale, base = quantize_two_digits(x2d, outliers, self.levels, self.activation_dtype)
+        digits, x_scale, base = quantize_two_digits(x2d, outliers, self.levels, self.activation_dtype, self.pad)
         products = self.multiply(digits, packed, scale)  # [2M, O]: the hi rows, then the lo rows
         return products[:rows].mul_(base).add_(products[rows:]).mul_(x_scale)
 
@@ -155,7 +165,7 @@ class W8A8Kernel:
 W8A8_KERNELS: dict[str, W8A8Kernel] = {
     ONEDNN: W8A8Kernel(ONEDNN, 127, INT8, _onednn_available, _onednn_pack, _onednn_multiply),
     INT_MM: W8A8Kernel(INT_MM, 127, INT8, lambda: True, _int_mm_pack, _int_mm_multiply),
-    FBGEMM: W8A8Kernel(FBGEMM, 63, FP32, _fbgemm_available, _fbgemm_pack, _fbgemm_multiply),
+    FBGEMM: W8A8Kernel(FBGEMM, 63, FP32, _fbgemm_available, _fbgemm_pack, _fbgemm_multiply, pad=len(FBGEMM_PINS)),
 }
 
 

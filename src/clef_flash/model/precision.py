@@ -54,9 +54,10 @@ TWO_DIGITS = "w8a8-two-digit"
 # ... or, where the CPU multiplies bf16 fast (AMX, AVX-512 BF16) and the 2-byte copies do not fit (compact): the int8
 # weight widened to bf16 on every forward into one scratch buffer per shape (exact: |q| <= 127 is a bf16), the product
 # in bf16, the per-channel scale applied to the output; 1 byte a weight. The widening is memory-bound: on E it cost
-# 27-28% over the bf16 product at 370 tokens (down_proj and out_proj shapes), where two digits cost 2x.
+# 22-28% over the bf16 product at 272-370 tokens (down_proj and out_proj shapes), where two digits cost 2x; +5% on
+# the 9B record (README).
 BF16_SCRATCH = "weight-only-bf16-scratch"
-SCRATCH_OVERHEAD = 1.3  # the widened product's time over the kept copy's, 370 tokens (E, measured)
+SCRATCH_OVERHEAD = 1.3  # the widened product's time over the kept copy's, 272-370 tokens (E, measured)
 LINEAR_MODES = (*INT8_MODES, TWO_DIGITS, BF16_SCRATCH)  # what an Int8Linear runs in
 HEAD_DTYPE = FP32
 BUNDLE_EMBEDDING_DTYPE = BF16  # input and output embeddings in an 8-bit bundle
