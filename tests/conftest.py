@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -26,6 +27,22 @@ def load_reference_module():
     sys.modules[module_spec.name] = module  # dataclasses resolve annotations through sys.modules
     module_spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def module_tmp(tmp_path_factory):
+    """`mktemp(name)` for a module's fixtures: its folders are removed when the module's tests are done (a
+    module's releases and bundles take up to 0.9 GB; with the per-test folders removed as each test passes,
+    pyproject's tmp_path_retention_policy, the suite's disk stays near one module's need)."""
+    made: list[Path] = []
+
+    def mktemp(name: str) -> Path:
+        made.append(tmp_path_factory.mktemp(name))
+        return made[-1]
+
+    yield mktemp
+    for folder in made:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -20,8 +20,8 @@ from clef_flash.request.samples import random_requests
 
 
 @pytest.fixture(scope="module")
-def bundle_dir(tiny_dir, tmp_path_factory):
-    return convert(tiny_dir, tmp_path_factory.mktemp("bundle") / "tiny-int8", progress=False)
+def bundle_dir(tiny_dir, module_tmp):
+    return convert(tiny_dir, module_tmp("bundle") / "tiny-int8", progress=False)
 
 
 def copy_of(bundle_dir, tmp_path):

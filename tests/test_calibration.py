@@ -81,9 +81,9 @@ def image_request(seed: int, width: int, height: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def vision_release(tmp_path_factory):
+def vision_release(module_tmp):
     # sharded: the memory-mapped source is several files
-    return write_random_release(tmp_path_factory.mktemp("vision") / "release", "tiny-vision", seed=3, max_shard_bytes=20_000_000)
+    return write_random_release(module_tmp("vision") / "release", "tiny-vision", seed=3, max_shard_bytes=20_000_000)
 
 
 def test_layer_major_equals_the_twin_with_images(vision_release):

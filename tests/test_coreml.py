@@ -62,8 +62,8 @@ def tiny():
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("coreml") / "tiny-coreml"
+def exported(module_tmp) -> Path:
+    out = module_tmp("coreml") / "tiny-coreml"
     export_coreml(
         "tiny", out, buckets=BUCKETS, layers_per_part=LAYERS_PER_PART, head_questions=HEAD_QUESTIONS, head_options=HEAD_OPTIONS
     )

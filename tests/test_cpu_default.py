@@ -206,9 +206,9 @@ def test_w8a8_on_7_bit_activations_takes_two_digits_but_at_the_mlp_inputs():
 
 
 @pytest.fixture(scope="module")
-def tiny_bundle(tiny_dir, tmp_path_factory):
+def tiny_bundle(tiny_dir, module_tmp):
     """The tiny release as a calibrated bundle (read-only: tests load it, none changes it)."""
-    return convert(tiny_dir, tmp_path_factory.mktemp("tiny") / "bundle", progress=False)
+    return convert(tiny_dir, module_tmp("tiny") / "bundle", progress=False)
 
 
 def test_a_7_bit_kernels_w8a8_model_runs_its_digits_and_decides_as_weight_only(tiny_bundle, monkeypatch):
@@ -308,13 +308,13 @@ class _Tensors:
 
 
 @pytest.fixture(scope="module")
-def outlier_release(tmp_path_factory):
-    return write_random_release(tmp_path_factory.mktemp("outliers") / "release", "9b-heads-outliers", seed=1)
+def outlier_release(module_tmp):
+    return write_random_release(module_tmp("outliers") / "release", "9b-heads-outliers", seed=1)
 
 
 @pytest.fixture(scope="module")
-def calibrated_bundle(outlier_release, tmp_path_factory):
-    return convert(outlier_release, tmp_path_factory.mktemp("outliers") / "bundle", progress=False)
+def calibrated_bundle(outlier_release, module_tmp):
+    return convert(outlier_release, module_tmp("outliers") / "bundle", progress=False)
 
 
 @pytest.mark.slow  # the 9b-heads-outliers release, converted and calibrated

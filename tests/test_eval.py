@@ -184,7 +184,7 @@ def cached_load(monkeypatch, tiny_dir, tiny_models):
 
 
 @pytest.fixture(scope="module")
-def labelled_file(tmp_path_factory):
+def labelled_file(module_tmp):
     lines = []
     for index in range(4):
         lines.append(
@@ -200,7 +200,7 @@ def labelled_file(tmp_path_factory):
                 "expected": {"urgent": index % 2 == 0, "team": ["billing", "bugs", "other", "billing"][index], "level": [0, "1", "High", "Low"][index]},
             }
         )
-    path = tmp_path_factory.mktemp("eval") / "labelled.jsonl"
+    path = module_tmp("eval") / "labelled.jsonl"
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     return path, lines
 

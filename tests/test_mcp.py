@@ -44,8 +44,8 @@ BAD_DECIDE = {"state": STATE, "questions": {"team": {"type": "choice", "criteria
 
 
 @pytest.fixture(scope="module")
-def sets_dir(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("sets")
+def sets_dir(module_tmp) -> Path:
+    root = module_tmp("sets")
     SetStore(root).add("triage", TRIAGE)
     return root
 

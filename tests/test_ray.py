@@ -180,9 +180,9 @@ LINES = 48  # 24 blocks of 2: enough that a kill lands mid-run
 
 
 @pytest.fixture(scope="module")
-def requests_and_answers(model, tmp_path_factory) -> tuple[Path, bytes]:
+def requests_and_answers(model, module_tmp) -> tuple[Path, bytes]:
     """An input with the local batch's error cases, and the local batch's output for it (blocks of 2)."""
-    folder = tmp_path_factory.mktemp("requests")
+    folder = module_tmp("requests")
     source = write_requests(folder / "in.jsonl", LINES)
     return source, local_output(model, source, folder / "local.jsonl", batch_size=2)
 

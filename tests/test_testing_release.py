@@ -60,18 +60,13 @@ def _safetensors_names(path: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return tiny_release(cache_dir=tmp_path_factory.mktemp("cache"))
-
-
-@pytest.fixture(scope="module")
-def heads_9b(tmp_path_factory) -> Path:
-    return write_random_release(tmp_path_factory.mktemp("r") / "9b-heads", "9b-heads", seed=1)
+def tiny(module_tmp) -> Path:
+    return tiny_release(cache_dir=module_tmp("cache"))
 
 
 @pytest.mark.parametrize("which", ["tiny", "9b-heads"])
-def test_transformers_loads_with_no_missing_or_unexpected_keys(which, tiny, heads_9b):
-    path = tiny if which == "tiny" else heads_9b
+def test_transformers_loads_with_no_missing_or_unexpected_keys(which, tiny, heads_dir):
+    path = tiny if which == "tiny" else heads_dir
     model, info = _load_decoder(path)
     _assert_clean(info)
     # The mtp.* tensors are in the file and transformers ignores them silently (SPEC §2).

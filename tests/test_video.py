@@ -83,10 +83,10 @@ def clef(release):
 
 
 @pytest.fixture(scope="module")
-def media(tmp_path_factory) -> dict[str, Path | list[Path]]:
+def media(module_tmp) -> dict[str, Path | list[Path]]:
     """The test's media on disk (the oracle reads files): two frame lists of different counts and sizes (the second
     with alpha, blended in float), a 2.5 s MP4 at 10 fps, a WebM (which states no frame count) and an image."""
-    root = tmp_path_factory.mktemp("media")
+    root = module_tmp("media")
     out: dict[str, Path | list[Path]] = {}
     for name, (count, width, height, alpha) in {"six": (6, 64, 48, False), "nine": (9, 100, 70, True)}.items():
         out[name] = []
@@ -336,8 +336,8 @@ def refusal_cases(tmp: Path) -> list[tuple[str, list, list, str]]:
 
 
 @pytest.fixture(scope="module")
-def refusals(tmp_path_factory) -> dict[str, tuple[list, list, str]]:
-    return {name: (videos, loc, kind) for name, videos, loc, kind in refusal_cases(tmp_path_factory.mktemp("refusals"))}
+def refusals(module_tmp) -> dict[str, tuple[list, list, str]]:
+    return {name: (videos, loc, kind) for name, videos, loc, kind in refusal_cases(module_tmp("refusals"))}
 
 
 REFUSAL_NAMES = [

@@ -86,9 +86,9 @@ def as_request(state, images, *, form=data_uri):
 
 
 @pytest.fixture(scope="module")
-def oracle(release, reference_oracle, tmp_path_factory) -> dict[str, tuple[dict, dict]]:
+def oracle(release, reference_oracle, module_tmp) -> dict[str, tuple[dict, dict]]:
     """The reference's outputs for each case, its images given as the PNG files the requests carry."""
-    folder = tmp_path_factory.mktemp("images")
+    folder = module_tmp("images")
     records = []
     for case, (state, images) in CASES.items():
         paths = []
