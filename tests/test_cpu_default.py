@@ -111,6 +111,12 @@ def test_info_command(capsys):
     assert "default      release:" in capsys.readouterr().out
 
 
+def test_info_says_which_kernels_the_default_passes_over():
+    assert machine.kernel_note("onednn", 0.096, fp32=180) == "0.096 GOP/s, a reference loop here: used only when forced"
+    assert machine.kernel_note("fbgemm", 716.2, fp32=180) == "716 GOP/s, 7-bit activations"
+    assert machine.kernel_note("int_mm", 632.4, fp32=180) == "632 GOP/s"
+
+
 # -- kernels ------------------------------------------------------------------------------------------
 
 
@@ -463,6 +469,29 @@ def test_compact_w8a8_loads_at_one_byte_and_answers_as_w8a8(tiny_bundle, monkeyp
         assert down._prepared is down.weight or down.kernel != "int_mm"  # _int_mm reads the int8 weight itself: the only copy
     print(f"compact ({form}) vs 2-byte W8A8: max |dp| {worst:.2e}")
     assert worst < 2e-2
+
+
+def test_int8_w8a8_compact_is_a_precision_to_ask_for(tiny_bundle, monkeypatch):
+    """`int8-w8a8-compact` (argument or $CLEF_FLASH_PRECISION): W8A8 with its gated products at 1 byte whatever the
+    memory, in the form this CPU's probe gives the compact plan; the decisions are W8A8's."""
+    from clef_flash.model.precision import PRECISION_CHOICES, gated_mode_for
+
+    assert "int8-w8a8-compact" in PRECISION_CHOICES
+    form = gated_mode_for(machine.rates(), compact=True)
+    monkeypatch.setenv("CLEF_FLASH_PRECISION", "int8-w8a8-compact")
+    from_environment = clef_flash.load(tiny_bundle, device="cpu")
+    monkeypatch.delenv("CLEF_FLASH_PRECISION")
+    asked = clef_flash.load(tiny_bundle, device="cpu", precision="int8-w8a8-compact")
+    full = clef_flash.load(tiny_bundle, device="cpu", precision="int8-w8a8")
+    for model in (from_environment, asked):
+        assert model.precision == "int8-w8a8" and model.plan.precision.compact and model.plan.dense_dtype is None
+        assert model.plan.gated_mode == form == model.parts.decoder.layers[0].mlp.down_proj.mode
+    assert asked.plan.key != full.plan.key or form == full.plan.gated_mode  # the state cache tells them apart
+    for request in random_requests(2, 5):
+        a, b = asked.probabilities(request), full.probabilities(request)
+        assert {q: max(p, key=p.get) for q, p in a.items()} == {q: max(p, key=p.get) for q, p in b.items()}
+    with pytest.raises(clef_flash.errors.ClefError, match="int8-w8a8-compact"):
+        clef_flash.load(tiny_bundle, device="cpu", precision="int8-w8a8-small")
 
 
 def test_w8a8_weight_only_projections_are_never_an_fp32_copy():

@@ -621,7 +621,7 @@ def command_info(args: argparse.Namespace) -> int:
         f"{machine.PROBE_SHAPE[1]} -> {machine.PROBE_SHAPE[2]}"
     )
     for name, gops in probe["int8_kernels_gops"].items():
-        print(f"W8A8 kernel  {name}: exact here, {gops:.0f} GOP/s")
+        print(f"W8A8 kernel  {name}: exact here, {machine.kernel_note(name, gops, probe['fp32_gflops'])}")
     for name, why in probe["int8_excluded"].items():
         print(f"W8A8 kernel  {name}: excluded, {why}")
     for kind, value in defaults.items():

@@ -111,6 +111,14 @@ def is_reference_loop(rate: float, fp32: float) -> bool:
     return rate < fp32 / 10
 
 
+def kernel_note(name: str, gops: float, fp32: float) -> str:
+    """One exact kernel's probe figure as `info` prints it: its rate, and why the default passes it over."""
+    if is_reference_loop(gops, fp32):
+        return f"{gops:.2g} GOP/s, a reference loop here: used only when forced"
+    seven_bit = "" if W8A8_KERNELS[name].levels == 127 else f", {W8A8_KERNELS[name].levels.bit_length() + 1}-bit activations"
+    return f"{gops:.0f} GOP/s{seven_bit}"
+
+
 def w8a8_choice(kernels: dict[str, float], fp32: float) -> str | None:
     """W8A8's kernel among the exact ones (name -> G(OP)/s): the fastest with 8-bit activations that is no
     reference loop, else the fastest (precision.SEVEN_BIT_KERNELS: W8A8 then runs most projections in two digits); None: none."""
