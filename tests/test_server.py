@@ -429,14 +429,13 @@ def test_concurrent_requests_are_batched_with_the_same_answers(model):
 
     async def scenario():
         app = create_app(model, batch_wait_ms=500)  # generous: all 32 arrive well within it
-        async with async_serving(app) as client:
-            batches = lambda: app.state.metrics.value("batch_records_count")  # noqa: E731
-            before = batches()
+        solo = create_app(model)  # one at a time: the default wait (5 ms), not 500 ms a request
+        async with async_serving(app) as client, async_serving(solo) as solo_client:
+            batches = lambda app: app.state.metrics.value("batch_records_count")  # noqa: E731
+            before = batches(app), batches(solo)
             together = await asyncio.gather(*(client.post("/v1/systemone", json=request) for request in requests))
-            batches_together = batches() - before
-            alone = [await client.post("/v1/systemone", json=request) for request in requests]
-            batches_alone = batches() - before - batches_together
-            return together, alone, batches_together, batches_alone
+            alone = [await solo_client.post("/v1/systemone", json=request) for request in requests]
+            return together, alone, batches(app) - before[0], batches(solo) - before[1]
 
     together, alone, batches_together, batches_alone = asyncio.run(scenario())
     print(f"\n32 requests: {batches_together} batches concurrently, {batches_alone} one at a time")
