@@ -411,6 +411,7 @@ def test_an_export_leaves_no_temporary_packages_behind(tmp_path, monkeypatch):
     assert sorted(path.name for path in scratch.iterdir() if path.suffix == ".mlpackage") == []
 
 
+@pytest.mark.slow  # a conversion and a Core ML export (12.7 s on Zen 4)
 def test_a_bundle_carries_its_own_int8_values_and_scales(tmp_path, tiny):
     from clef_flash.conversion import convert
 
