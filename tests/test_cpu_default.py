@@ -28,6 +28,7 @@ from clef_flash.model.precision import (
     resolve_precision,
 )
 from clef_flash.request.samples import random_requests
+from cpu_families import FAMILIES, imagine
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 CPU = torch.device("cpu")
@@ -225,12 +226,9 @@ def test_a_7_bit_kernels_w8a8_model_runs_its_digits_and_decides_as_weight_only(t
     1 byte a weight, the plan says which projections take one digit, and the answers are weight-only's."""
     from clef_flash.checkpoint.w8a8 import FBGEMM
 
-    if not W8A8_KERNELS[FBGEMM].available():
-        pytest.skip("FBGEMM is not in this torch build (not x86)")
     monkeypatch.delenv("CLEF_FLASH_PRECISION", raising=False)
     bundle = tiny_bundle
-    avx2 = FakeRates(fp32=120, bf16=20, int8=300, int8_kernel=FBGEMM, excluded={}, fp16_packed=125, two_digit=150)
-    monkeypatch.setattr(clef_flash.plan, "machine_rates", lambda: avx2)
+    imagine(monkeypatch, "avx2")
     model = clef_flash.load(bundle, device="cpu")
     assert model.precision == "int8-w8a8" and model.plan.kernel == FBGEMM and model.plan.dense_dtype is None
     assert model.plan.describe()["one_digit"].startswith("gate_proj, up_proj (7-bit")
@@ -441,36 +439,44 @@ def test_a_calibrated_bundle_that_does_not_fit_runs_w8a8_compact(rates, memory_g
 
 
 @pytest.mark.parametrize(
-    ("bf16", "fp16_packed", "form"),
-    [(1900, 80, "weight-only-bf16-scratch"), (60, 400, "w8a8-two-digit")],  # AMX; VNNI with fp16-packed ahead of two digits
+    ("family", "precision", "gated_mode", "compact"),
+    [
+        ("amx", "int8-w8a8", "weight-only-bf16-scratch", True),  # int8 widened to bf16 per forward
+        ("vnni", "int8-w8a8", "w8a8-two-digit", True),  # its fp16-packed copy is faster, but does not fit
+        ("avx2", "int8-w8a8", "w8a8-two-digit", False),  # 7-bit: one digit at the MLP's inputs, two elsewhere, 1 byte anyway
+        ("none", "int8-weight-only", "weight-only", False),  # no exact kernel
+    ],
 )
-def test_compact_w8a8_loads_at_one_byte_and_answers_as_w8a8(tiny_bundle, monkeypatch, bf16, fp16_packed, form):
-    """The plan keeps W8A8's gated products at 1 byte (int8 widened to bf16 per forward where bf16 is fast, else two
-    int8 digits; no dense copy) when the copies do not fit; the answers stay those of W8A8 with a 2-byte copy."""
+def test_a_calibrated_bundle_whose_2_byte_copies_do_not_fit_loads_at_one_byte(tiny_bundle, monkeypatch, family, precision, gated_mode, compact):
+    """On every CPU family, where W8A8's 2-byte copies of the gated products do not fit, the default keeps every weight
+    at 1 byte (compact where the family would otherwise copy: int8 widened to bf16 per forward where bf16 is fast,
+    else two int8 digits) and answers as W8A8 with the copies on the same CPU."""
     monkeypatch.delenv("CLEF_FLASH_PRECISION", raising=False)
-    bundle = tiny_bundle
-    parameters = clef_flash.plan.decoder_parameters(clef_flash.checkpoint.open_checkpoint(bundle))
-    kernel = machine.rates().int8_kernel
-    fast_int8 = FakeRates(fp32=300, bf16=bf16, int8=3000, int8_kernel=kernel, excluded={}, fp16_packed=fp16_packed, two_digit=300)
-    monkeypatch.setattr(clef_flash.plan, "machine_rates", lambda: fast_int8)
+    parameters = clef_flash.plan.decoder_parameters(clef_flash.checkpoint.open_checkpoint(tiny_bundle))
+    imagine(monkeypatch, family)
     monkeypatch.setattr(clef_flash.plan, "available_memory_bytes", lambda: int(parameters * 1.2 / 0.8))
-    compact = clef_flash.load(bundle, device="cpu")
-    assert compact.precision == "int8-w8a8" and compact.plan.dense_dtype is None and "compact" in compact.plan.reason
-    down = compact.parts.decoder.layers[0].mlp.down_proj
-    assert down.mode == form and down.dense_dtype is None and compact.plan.gated_mode == form
-    assert compact.plan.describe()["gated_mode"] == form
-    full = clef_flash.load(bundle, device="cpu", precision="int8-w8a8")
+    small = clef_flash.load(tiny_bundle, device="cpu")
+    print(f"{family}: {small.plan.describe()}")
+    assert small.precision == precision and small.plan.dense_dtype is None and ("compact" in small.plan.reason) == compact
+    linears = [module for module in small.parts.decoder.modules() if isinstance(module, Int8Linear)]
+    assert linears and all(linear.dense_dtype is None for linear in linears)  # no 2-byte copy anywhere
+    down = small.parts.decoder.layers[0].mlp.down_proj
+    if precision == "int8-weight-only":
+        assert small.plan.kernel is None and {linear.mode for linear in linears} == {"weight-only"}
+        return
+    assert down.mode == gated_mode == small.plan.gated_mode == small.plan.describe()["gated_mode"]
+    assert small.plan.kernel == FAMILIES[family].int8_kernel
+    if gated_mode == "weight-only-bf16-scratch":
+        small.probabilities(random_requests(3, 1)[0])
+        assert down._prepared.dtype == torch.int8  # widened into the shared scratch on each forward: no bf16 kept
+    full = clef_flash.load(tiny_bundle, device="cpu", precision="int8-w8a8")  # the same CPU, memory no object
     worst = 0.0
     for request in random_requests(3, 4):
-        a, b = compact.probabilities(request), full.probabilities(request)
+        a, b = small.probabilities(request), full.probabilities(request)
         for question_id, p in a.items():
             worst = max(worst, max(abs(p[option] - b[question_id][option]) for option in p))
             assert max(p, key=p.get) == max(b[question_id], key=b[question_id].get)
-    if form == "weight-only-bf16-scratch":
-        assert down._prepared.dtype == torch.int8  # widened into the shared scratch on each forward: no bf16 kept
-    else:
-        assert down._prepared is down.weight or down.kernel != "int_mm"  # _int_mm reads the int8 weight itself: the only copy
-    print(f"compact ({form}) vs 2-byte W8A8: max |dp| {worst:.2e}")
+    print(f"{family}: 1-byte W8A8 ({gated_mode}) vs W8A8 as forced there: max |dp| {worst:.2e}")
     assert worst < 2e-2
 
 

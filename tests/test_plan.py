@@ -10,22 +10,21 @@ import pytest
 import clef_flash
 from clef_flash import machine, plan
 from clef_flash.checkpoint import open_checkpoint
+from clef_flash.checkpoint.w8a8 import INT_MM, ONEDNN
 from clef_flash.loader import plan_of
+from cpu_families import imagine
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_two_engines_whose_plans_differ_only_in_the_kernel_never_share_a_cache_entry(tiny_dir, monkeypatch):
-    measured = machine.rates()
-    if len(measured.kernels) < 2:
-        # One exact kernel here: make a second plan that differs from the first in its kernel only.
-        other = "int_mm" if measured.int8_kernel != "int_mm" else "fbgemm"
-        measured = dataclasses.replace(measured, kernels={**measured.kernels, other: 1.0})
-    first_kernel, second_kernel = list(measured.kernels)[:2]
+    """A CPU with two exact 8-bit kernels (VNNI: oneDNN and _int_mm): two loads whose plans differ in the kernel alone
+    keep their states apart (the kernels' reference twins stand in where one is not exact on this CPU)."""
     models = []
-    for kernel in (first_kernel, second_kernel):
-        monkeypatch.setattr(plan, "machine_rates", lambda kernel=kernel: dataclasses.replace(measured, int8_kernel=kernel))
+    for kernel in (ONEDNN, INT_MM):
+        imagine(monkeypatch, "vnni", int8_kernel=kernel)
         models.append(clef_flash.load(tiny_dir, device="cpu", precision="int8-w8a8", state_cache_mb=64))
+    first_kernel, second_kernel = ONEDNN, INT_MM
     a, b = models
     assert a.precision == b.precision == "int8-w8a8" and (a.plan.kernel, b.plan.kernel) == (first_kernel, second_kernel)
     assert dataclasses.replace(a.plan, kernel=None) == dataclasses.replace(b.plan, kernel=None)
@@ -59,3 +58,18 @@ def test_render_is_the_facades_and_the_clis_alike(tiny_dir, tmp_path, capsys):
     (tmp_path / "request.json").write_text(json.dumps(request))
     assert main(["render", str(tmp_path / "request.json"), "--model", str(tiny_dir)]) == 0
     assert capsys.readouterr().out.strip() == text.strip()
+
+
+def test_an_emulated_probe_never_reads_the_native_one(monkeypatch):
+    """The probe's cache key holds the ISA limits: a run under the AVX2 emulation variables (.ci/run's second pass)
+    measures its own kernels, never the native probe's (and each variable alone makes another machine)."""
+    for name in machine.ISA_LIMITS:
+        monkeypatch.delenv(name, raising=False)
+    native = machine.this_machine()
+    keys = {native.key}
+    for name, value in (("ATEN_CPU_CAPABILITY", "avx2"), ("ONEDNN_MAX_CPU_ISA", "AVX2"), ("FBGEMM_ENABLE_INSTRUCTIONS", "AVX2")):
+        monkeypatch.setenv(name, value)
+        emulated = machine.this_machine()
+        assert f"{name}={value}" in emulated.isa_limits and emulated.key not in keys
+        keys.add(emulated.key)
+    assert machine.probe_path(emulated) != machine.probe_path(native)

@@ -162,6 +162,17 @@ class W8A8Kernel:
         return products[:rows].mul_(base).add_(products[rows:]).mul_(x_scale)
 
 
+def _reference_multiply(xq: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (xq.double() @ q.double().t()).float().mul_(scale[None, :])  # float64 sums of int8 products are exact
+
+
+def reference_kernel(name: str, levels: int) -> W8A8Kernel:
+    """The slow, obviously-correct twin of a kernel: the same integers (`levels`), exact sums in float64, on any
+    CPU. Never one of W8A8_KERNELS (the probe never times or chooses it); tests stand it in for a kernel of an
+    imagined CPU that is not exact on the one they run on (exact kernels all give the same sums)."""
+    return W8A8Kernel(name, levels, INT8, lambda: True, lambda q, scale: q, _reference_multiply)
+
+
 W8A8_KERNELS: dict[str, W8A8Kernel] = {
     ONEDNN: W8A8Kernel(ONEDNN, 127, INT8, _onednn_available, _onednn_pack, _onednn_multiply),
     INT_MM: W8A8Kernel(INT_MM, 127, INT8, lambda: True, _int_mm_pack, _int_mm_multiply),

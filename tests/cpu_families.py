@@ -1,0 +1,56 @@
+"""The CPU families clef-flash ships for, as the probe would measure them: tests about plan choices state one.
+
+A test never inherits this machine's kernel by accident: it names the machine it imagines (rates, the W8A8 kernel,
+its activation bits, the kernels excluded) and is parametrized over FAMILIES. Where such a test also runs a
+model, `imagine` makes the plan see that family and stands the exact reference twin (checkpoint/w8a8.py
+`reference_kernel`, same activation levels) in for any of its kernels that is not exact on the CPU the test
+runs on: exact kernels give the same integer sums, so the answers are those the imagined CPU would give.
+A test about a real kernel runs `clef_flash.machine.rates()` instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import clef_flash.plan
+from clef_flash import machine
+from clef_flash.checkpoint.w8a8 import FBGEMM, INT_MM, ONEDNN, W8A8_KERNELS, reference_kernel
+
+NOT_EXACT = "not exact here: off by up to 8192768 from exact integer products on the adversarial trial"
+
+# G(FL)OP/s of the probe's product (256 x 4096 -> 4096), 2 threads; from the machines the README names.
+FAMILIES: dict[str, machine.Rates] = {
+    # 8-bit kernel, fast bf16: Intel Xeon with AMX (E)
+    "amx": machine.Rates(
+        fp32=300, bf16=1900, int8=3000, int8_kernel=ONEDNN, kernels={ONEDNN: 3000, INT_MM: 2800, FBGEMM: 900},
+        fp16_packed=80, two_digit=1500,
+    ),
+    # 8-bit kernel, no fast bf16: Ice Lake (VNNI, no bf16); FBGEMM's fp16-packed copy ahead of two digits
+    "vnni": machine.Rates(
+        fp32=130, bf16=60, int8=750, int8_kernel=ONEDNN, kernels={ONEDNN: 750, INT_MM: 700, FBGEMM: 500},
+        fp16_packed=400, two_digit=300,
+    ),
+    # 7-bit only: AMD EPYC Zen 3 (AVX2 + FMA), as measured there (issue 39): int_mm exact but a reference loop
+    "avx2": machine.Rates(
+        fp32=123, bf16=21, int8=260, int8_kernel=FBGEMM, kernels={FBGEMM: 260, INT_MM: 4},
+        excluded={ONEDNN: NOT_EXACT}, fp16_packed=125, two_digit=150,
+    ),
+    # no exact W8A8 kernel at all
+    "none": machine.Rates(
+        fp32=60, bf16=12, int8=0.0, int8_kernel=None, kernels={},
+        excluded={ONEDNN: NOT_EXACT, INT_MM: NOT_EXACT, FBGEMM: "not in this torch build"},
+    ),
+}
+
+
+def imagine(monkeypatch, family: str | machine.Rates, **changes) -> machine.Rates:
+    """Make `clef_flash.plan` (every load after this, until monkeypatch undoes it) see `family`'s probe, with
+    `changes` to its rates; each of its exact kernels that is not exact on this CPU runs as its reference twin."""
+    rates = FAMILIES[family] if isinstance(family, str) else family
+    rates = dataclasses.replace(rates, **changes)
+    here = machine.rates().kernels
+    for name in rates.kernels:
+        if name not in here:
+            monkeypatch.setitem(W8A8_KERNELS, name, reference_kernel(name, W8A8_KERNELS[name].levels))
+    monkeypatch.setattr(clef_flash.plan, "machine_rates", lambda: rates)
+    return rates
