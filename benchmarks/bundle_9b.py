@@ -2,18 +2,16 @@
 
     python benchmarks/bundle_9b.py [--dir runs] [--config 9b] [--precision default] [--answer-from bundle]
     python benchmarks/bundle_9b.py --answer-from release    # the release itself, no conversion (issue 25)
-    python benchmarks/bundle_9b.py --memory-gb 11           # the default as an 11 GB machine picks it (W8A8 compact)
-    python benchmarks/bundle_9b.py --gated two-digit,weight-only --rounds 2   # W8A8's gated products both ways, alternating
+    python benchmarks/bundle_9b.py --memory-gb 11           # the default as an 11 GB machine picks it
+    python benchmarks/bundle_9b.py --precision default,int8-weight-only --rounds 2   # both, alternating
 
 Writes `DIR/release-9b` (32 layers, hidden 4096, vocabulary 248,320: about 19 GB of bf16, generated, never
-committed) unless it is there or not needed (the bundle is there and answers), converts it to `DIR/bundle-9b` as `clef-flash convert` does (calibrated on
-the built-in requests) unless it is there, then in a fresh process loads the bundle and answers one
+committed) unless it is there or not needed (the bundle is there and answers), converts it to `DIR/bundle-9b` as `clef-flash convert` does unless it is
+there, then in a fresh process loads the bundle and answers one
 ~370-token, 3-question record three times (the first reads the weights from disk and packs them for this
 CPU; the faster of the other two is the warm figure, both are printed). Each step runs in its own process, so each peak
-RSS is its own. `--gated` forces the form of W8A8's gated products (`two-digit`: int8 digits, 1 byte a
-weight; `weight-only`: the 2-byte copy this CPU would take; `bf16-scratch`: int8 widened to bf16 per forward, 1 byte a
-weight; `probe`: the probe's choice), one fresh process
-each, alternating for `--rounds` rounds. `--answer-from release` skips the conversion and answers from the release (what a user who
+RSS is its own. `--precision` takes a comma-separated list (`default`: precision=None), one fresh process each,
+alternating for `--rounds` rounds. `--answer-from release` skips the conversion and answers from the release (what a user who
 never converts gets: with no precision, the default that fits this machine's memory).
 """
 
@@ -58,9 +56,8 @@ def main() -> None:
     parser.add_argument("--precision", default="default", help="default (this machine's), int8-weight-only or int8-w8a8")
     parser.add_argument("--answer-from", choices=("bundle", "release"), default="bundle")
     parser.add_argument("--memory-gb", type=float, help="choose the default as on a machine with this much memory available")
-    parser.add_argument("--gated", default="probe", help="comma-separated forms of W8A8's gated products: probe, two-digit, weight-only, bf16-scratch")
     parser.add_argument("--json", type=Path, help="also write every answer step's figures to this file")
-    parser.add_argument("--rounds", type=int, default=1, help="answer steps per --gated form, alternating")
+    parser.add_argument("--rounds", type=int, default=1, help="answer steps per precision, alternating")
     args = parser.parse_args()
     base = Path(args.dir).resolve()
     release, bundle = base / f"release-{args.config}", base / f"bundle-{args.config}"
@@ -79,7 +76,7 @@ def main() -> None:
         print(f"  written in {wall:.0f} s ({directory_gb(release):.1f} GB)", flush=True)
 
     if args.answer_from == "bundle" and not (bundle / "manifest.json").is_file():
-        print(f"converting to {bundle} (calibrated) ...", flush=True)
+        print(f"converting to {bundle} ...", flush=True)
         _, convert_s, convert_rss = run_step(
             f"""
             import json
@@ -90,17 +87,16 @@ def main() -> None:
         )
         print(f"  {convert_s:.0f} s, peak RSS {convert_rss:.2f} GB, bundle {directory_gb(bundle):.2f} GB "
               f"(release {directory_gb(release):.2f} GB)", flush=True)
-    precision = None if args.precision == "default" else args.precision
     answered = bundle if args.answer_from == "bundle" else release
 
     results = []
     for round_index in range(args.rounds):
-        for gated in args.gated.split(","):
-            answer = answer_step(answered, precision, args.memory_gb, gated)
-            answer.update(gated=gated, round=round_index)
+        for asked in args.precision.split(","):
+            answer = answer_step(answered, None if asked == "default" else asked, args.memory_gb)
+            answer.update(asked=asked, round=round_index)
             results.append(answer)
             print(
-                f"{answered.name} [{gated}, round {round_index + 1}]: {answer['precision']} ({answer['why']}): "
+                f"{answered.name} [{asked}, round {round_index + 1}]: {answer['precision']} ({answer['why']}): "
                 f"load until ready {answer['ready_s']:.2f} s; {answer['tokens']}-token record: first answer "
                 f"{answer['first_s']:.1f} s (weights read and packed), warm {answer['warm_s']:.2f} s "
                 f"(runs {', '.join(f'{s:.2f}' for s in answer['warm_all_s'])}); peak RSS {answer['own_peak_rss_gb']:.2f} GB",
@@ -111,11 +107,8 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
 
 
-def answer_step(answered: Path, precision: str | None, memory_gb: float | None, gated: str) -> dict:
+def answer_step(answered: Path, precision: str | None, memory_gb: float | None) -> dict:
     """Load `answered` in a fresh process and answer the typical record three times; the figures."""
-    forms = {"probe": None, "two-digit": "w8a8-two-digit", "weight-only": "weight-only", "bf16-scratch": "weight-only-bf16-scratch"}
-    if gated not in forms:
-        sys.exit(f"--gated: {gated!r} is not one of {', '.join(forms)}")
     answer, _, _ = run_step(
         f"""
         import json, resource, sys, time
@@ -126,8 +119,6 @@ def answer_step(answered: Path, precision: str | None, memory_gb: float | None, 
         from common import typical_request
         if {memory_gb!r} is not None:  # the default as a machine with this much memory available chooses it
             clef_flash.plan.available_memory_bytes = lambda: int({memory_gb!r} * 1e9)
-        if {forms[gated]!r} is not None:  # W8A8's gated products in this form, whatever the probe prefers
-            clef_flash.plan.gated_mode_for = lambda rates, compact=False: {forms[gated]!r}
         model = clef_flash.load({str(answered)!r}, device="cpu", precision={precision!r})
         ready = time.perf_counter() - start
         request = typical_request()

@@ -11,7 +11,7 @@ llama-quantize); a random release (`clef-flash tiny DIR --config CONFIG`; 9b-par
 sizes, 5.8 GB of bf16; `tiny` does not run in llama.cpp: its mrope sections exceed its rotary dims); the
 vendored convert_hf_to_gguf.py, in its own venv (transformers 4.x), turns a copy of the release (head
 files left out, tokenizer class Qwen2TokenizerFast, big files symlinked) into a BF16 GGUF, which
-llama-quantize turns into Q8_0 and Q4_0. Ours also converts the release to a calibrated 8-bit bundle
+llama-quantize turns into Q8_0 and Q4_0. Ours also converts the release to an 8-bit bundle
 (`clef-flash convert`), timed as `bundle:PRECISION`.
 
 Measured, on --threads threads (default 2): llama.cpp's prompt processing, `llama-bench -p 370 -n 0 -r 3`
@@ -48,7 +48,7 @@ BIN = BUILD / "bin"
 VENV = PEER / "convert-venv"
 FORMATS = ("BF16", "Q8_0", "Q4_0")
 HEAD_FILES = ("joint_head.safetensors", "joint_head_config.json")
-BUNDLE = "bundle:"  # --precisions prefix: run our calibrated bundle of the release
+BUNDLE = "bundle:"  # --precisions prefix: run our 8-bit bundle of the release
 MAX_LOAD = 0.5
 
 
@@ -155,7 +155,7 @@ def convert(release: Path, python: Path) -> dict[str, Path]:
 
 
 def write_bundle(release: Path) -> Path:
-    """Our 8-bit bundle of the release, calibrated on the built-in requests (`clef-flash convert`)."""
+    """Our 8-bit bundle of the release (`clef-flash convert`)."""
     bundle = PEER / f"bundle-{release.name.removeprefix('release-')}"
     if not (bundle / "manifest.json").exists():
         run([Path(sys.executable).with_name("clef-flash"), "convert", release, bundle, "--overwrite"])
@@ -254,7 +254,7 @@ def main() -> None:
     parser.add_argument(
         "--precisions",
         default="default,bf16,bundle:default,bundle:int8-weight-only",
-        help="ours: precisions of the release, or bundle:PRECISION of its calibrated bundle; default: precision=None",
+        help="ours: precisions of the release, or bundle:PRECISION of its 8-bit bundle; default: precision=None",
     )
     parser.add_argument("--tokens", type=int, default=370, help="prompt tokens (llama.cpp) / most record tokens (ours)")
     parser.add_argument("--threads", type=int, default=2)

@@ -22,18 +22,16 @@ NOT_EXACT = "not exact here: off by up to 8192768 from exact integer products on
 FAMILIES: dict[str, machine.Rates] = {
     # 8-bit kernel, fast bf16: Intel Xeon with AMX (E)
     "amx": machine.Rates(
-        fp32=300, bf16=1900, int8=3000, int8_kernel=ONEDNN, kernels={ONEDNN: 3000, INT_MM: 2800, FBGEMM: 900},
-        fp16_packed=80, two_digit=1500,
+        fp32=300, bf16=1900, int8=3000, int8_kernel=ONEDNN, kernels={ONEDNN: 3000, INT_MM: 2800, FBGEMM: 900}, int8_bits=8,
     ),
-    # 8-bit kernel, no fast bf16: Ice Lake (VNNI, no bf16); FBGEMM's fp16-packed copy ahead of two digits
+    # 8-bit kernel, no fast bf16: Ice Lake (VNNI, no bf16)
     "vnni": machine.Rates(
-        fp32=130, bf16=60, int8=750, int8_kernel=ONEDNN, kernels={ONEDNN: 750, INT_MM: 700, FBGEMM: 500},
-        fp16_packed=400, two_digit=300,
+        fp32=130, bf16=60, int8=750, int8_kernel=ONEDNN, kernels={ONEDNN: 750, INT_MM: 700, FBGEMM: 500}, int8_bits=8,
     ),
     # 7-bit only: AMD EPYC Zen 3 (AVX2 + FMA), as measured there (issue 39): int_mm exact but a reference loop
     "avx2": machine.Rates(
         fp32=123, bf16=21, int8=260, int8_kernel=FBGEMM, kernels={FBGEMM: 260, INT_MM: 4},
-        excluded={ONEDNN: NOT_EXACT}, fp16_packed=125, two_digit=150,
+        excluded={ONEDNN: NOT_EXACT}, int8_bits=7,
     ),
     # no exact W8A8 kernel at all
     "none": machine.Rates(

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import clef_flash
-from clef_flash.model.precision import ALIASES, COMPACT_CHOICE, PRECISION_CHOICES, PRECISIONS, parse_precision
+from clef_flash.model.precision import ALIASES, PRECISION_CHOICES, PRECISIONS, parse_precision
 
 PACKAGE_ROOT = Path(clef_flash.__file__).parent
 PACKAGE = "clef_flash"
@@ -139,7 +139,7 @@ def test_cli_precision_choices_are_what_the_policy_parses():
     answer = parser._subparsers._group_actions[0].choices["answer"]  # type: ignore[union-attr]
     (precision,) = [action for action in answer._actions if action.dest == "precision"]
     assert tuple(precision.choices) == PRECISION_CHOICES
-    assert set(PRECISION_CHOICES) == {*PRECISIONS, *ALIASES, COMPACT_CHOICE}
+    assert set(PRECISION_CHOICES) == {*PRECISIONS, *ALIASES}
     for name in precision.choices:
         assert parse_precision(name).name in PRECISIONS
     with pytest.raises(ValueError, match="unknown precision 'fp16'"):

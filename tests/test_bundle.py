@@ -88,12 +88,13 @@ def test_writer_matches_the_library_reader_on_odd_shapes(tmp_path):
 
 def test_bundle_answers_equal_the_release_quantized_at_load(bundle_dir, tiny_dir):
     requests = random_requests(3, 6)
-    from_bundle = clef_flash.load(bundle_dir, device="cpu")
-    from_release = clef_flash.load(tiny_dir, device="cpu", precision="int8")
-    assert from_bundle.precision == from_release.precision == "int8-weight-only"
-    assert from_bundle.is_random
-    for request in requests:
-        assert from_bundle.logits(request) == from_release.logits(request)
+    from_bundle = clef_flash.load(bundle_dir, device="cpu")  # the default: int8-w8a8 wherever a kernel is exact
+    for precision in ("int8-weight-only", from_bundle.precision):
+        from_release = clef_flash.load(tiny_dir, device="cpu", precision=precision)
+        bundled = clef_flash.load(bundle_dir, device="cpu", precision=precision)
+        assert bundled.is_random and bundled.plan == from_release.plan
+        for request in requests:
+            assert bundled.logits(request) == from_release.logits(request)
 
 
 def test_embeddings_stay_in_the_memory_map(bundle_dir):

@@ -41,8 +41,8 @@ def test_the_plan_is_what_load_builds_and_what_batch_records(tiny_dir):
     resolved = plan_of(checkpoint, device="cpu", precision="int8-w8a8")
     model = clef_flash.load(tiny_dir, device="cpu", precision="int8-w8a8")
     assert model.plan == resolved and model.plan.kernel in machine.rates().kernels
-    linears = [m for m in model.parts.decoder.modules() if type(m).__name__ == "Int8Linear" and m.mode == "w8a8"]
-    assert linears and {linear.kernel for linear in linears} == {resolved.kernel}
+    linears = [m for m in model.parts.decoder.modules() if type(m).__name__ == "W8A8Linear"]
+    assert linears and {linear.kernel.name for linear in linears} == {resolved.kernel}
     described = model.describe()["plan"]
     assert described["kernel"] == resolved.kernel and described["precision"] == "int8-w8a8" and described["reason"]
     assert plan_of(checkpoint, device="cpu", precision="fp32").kernel is None

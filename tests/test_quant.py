@@ -1,4 +1,5 @@
-"""The int8 scheme: round trip per channel, both compute modes beside their plain twins, the predicate."""
+"""The int8 scheme: round trip per channel, smoothing and rotation, both compute classes beside their plain twins,
+the predicate."""
 
 from __future__ import annotations
 
@@ -11,13 +12,19 @@ from clef_flash.checkpoint import quant
 from clef_flash.checkpoint.quant import (
     Int8Linear,
     QuantizingSource,
+    W8A8Linear,
+    WeightOnlyLinear,
     dequantize,
+    pack_int8,
     quantize_per_channel,
+    quantize_weight,
     replace_linears,
+    smoothing,
     weight_only_linear,
 )
-from clef_flash.checkpoint.w8a8 import W8A8_KERNELS, quantize_per_token
-from clef_flash.model.precision import is_quantized
+from clef_flash.checkpoint.rotation import rotate
+from clef_flash.checkpoint.w8a8 import W8A8_KERNELS, quantize_per_token, reference_kernel
+from clef_flash.model.precision import is_quantized, smoothing_of
 
 
 def test_round_trip_error_is_at_most_half_a_step_per_channel():
@@ -52,31 +59,92 @@ def test_weight_only_equals_dequantize_then_matmul(shape, monkeypatch):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+def _kernels_here():
+    """Every kernel exact on this CPU, and the reference twin at 7 and at 8 bits (any CPU)."""
+    here = [W8A8_KERNELS[name] for name in machine.rates().kernels]
+    return here + [reference_kernel("reference-8"), reference_kernel("reference-7", 63)]
+
+
+def _filled(linear: Int8Linear, weight: torch.Tensor, input_smoothing: torch.Tensor) -> Int8Linear:
+    q, scale = quantize_weight(weight, input_smoothing)
+    linear.load_state_dict({"weight": q, "weight_scale": scale, "input_smoothing": input_smoothing})
+    pack_int8(linear)
+    return linear
+
+
 @pytest.mark.parametrize("rows", [1, 17, 64])
-def test_w8a8_equals_its_float_simulation(rows):
-    torch.manual_seed(2)
-    q, scale = quantize_per_channel(torch.randn(48, 80))
-    x = torch.randn(rows, 80) * 3
-    kernel = W8A8_KERNELS[machine.rates().int8_kernel]  # the exact one this CPU runs
-    xq, x_scale = quantize_per_token(x, levels=kernel.levels)
-    assert x_scale.shape == (rows, 1) and int(xq.abs().max()) == kernel.levels
-    expected = (xq.double() @ q.double().t()) * x_scale.double() * scale.double()[None, :]  # exact integer products
-    linear = Int8Linear(80, 48, "w8a8", kernel=kernel.name)
-    linear.load_state_dict({"weight": q, "weight_scale": scale})
-    got = linear(x)
-    print(f"\nw8a8 ({kernel.name}) rows={rows}: max rel |d| {((got - expected).abs().max() / expected.abs().max()):.2e}")
-    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
-    # and it approximates the float product
-    relative = (got - x @ dequantize(q, scale).t()).norm() / (x @ dequantize(q, scale).t()).norm()
-    assert relative < 0.03  # 7-bit activations (fbgemm) included
+def test_w8a8_equals_its_float_simulation_on_every_kernel_here(rows):
+    """W8A8Linear = the exact integer products of ((x / s) R) rounded per token and ((W diag(s)) R) per channel, on
+    every kernel this CPU runs exactly (and the reference twins); and it approximates x W^T."""
+    generator = torch.Generator().manual_seed(2)
+    weight = torch.randn(48, 80, generator=generator)
+    s = smoothing(torch.rand(80, generator=generator) * 4, 80, offset=True)  # a norm's 1 + w
+    x = torch.randn(rows, 80, generator=generator) * 3
+    for kernel in _kernels_here():
+        q, scale = quantize_weight(weight, s)
+        xq, x_scale = quantize_per_token(rotate(x / s), levels=kernel.levels)
+        assert x_scale.shape == (rows, 1) and int(xq.abs().max()) == kernel.levels
+        expected = (xq.double() @ q.double().t()) * x_scale.double() * scale.double()[None, :]  # exact integer products
+        got = _filled(W8A8Linear(80, 48, kernel), weight, s)(x)
+        error = ((got - expected).abs().max() / expected.abs().max()).item()
+        relative = ((got - x @ weight.t()).norm() / (x @ weight.t()).norm()).item()
+        print(f"\nw8a8 ({kernel.name}, {kernel.activation_bits}-bit activations) rows={rows}: vs integers {error:.1e}, vs x W^T {relative:.1e}")
+        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+        assert relative < 0.03  # 7-bit activations (FBGEMM) included
 
 
-def test_w8a8_keeps_the_activation_dtype():
-    q, scale = quantize_per_channel(torch.randn(8, 16))
-    linear = Int8Linear(16, 8, "w8a8", kernel=machine.rates().int8_kernel)
-    linear.load_state_dict({"weight": q, "weight_scale": scale})
-    assert linear(torch.randn(2, 16).bfloat16()).dtype == torch.bfloat16
+def test_weight_only_equals_the_dequantized_rotated_product():
+    generator = torch.Generator().manual_seed(3)
+    weight, x_hat = torch.randn(24, 64, generator=generator), torch.randn(5, 64, generator=generator)
+    s = smoothing(torch.randn(64, generator=generator), 64, offset=False)  # a plain norm's weight, some near 0
+    x = x_hat * s  # what a projection reads: the norm's output
+    linear = _filled(WeightOnlyLinear(64, 24), weight, s)
+    expected = rotate(x / s) @ dequantize(linear.weight, linear.weight_scale).t()
+    torch.testing.assert_close(linear(x), expected, rtol=1e-5, atol=1e-5)
+    assert ((linear(x) - x @ weight.t()).norm() / (x @ weight.t()).norm()) < 0.01
+
+
+def test_both_classes_keep_the_activation_dtype():
+    weight, s = torch.randn(8, 16), torch.ones(16)
+    for linear in (WeightOnlyLinear(16, 8), W8A8Linear(16, 8, reference_kernel("reference", 127))):
+        assert _filled(linear, weight, s)(torch.randn(2, 16).bfloat16()).dtype == torch.bfloat16
+    q, scale = quantize_per_channel(weight)
     assert weight_only_linear(torch.randn(2, 16).bfloat16(), q, scale).dtype == torch.bfloat16
+
+
+def test_smoothing_and_rotation_take_the_outliers_out_of_the_int8_scale():
+    """A norm that scales 3 of 256 channels by 50 (the outlier release's kind) and one large channel left in the
+    input: per-token 7-bit W8A8 of the plain input errs several times the scheme's (smoothed, rotated)."""
+    generator = torch.Generator().manual_seed(5)
+    width = 256
+    weight = torch.randn(64, width, generator=generator) / width**0.5
+    norm = torch.zeros(width)
+    norm[[40, 120, 200]] = 49.0  # the norm's 1 + w: 50 at three channels
+    x_hat = torch.randn(32, width, generator=generator)
+    x_hat[:, 7] *= 8.0  # a large channel the norm did not make
+    x = x_hat * (1.0 + norm)  # what the projection reads
+    exact = x @ weight.t()
+    kernel = reference_kernel("reference-7", 63)
+    q, scale = quantize_per_channel(weight)
+    plain = kernel.linear(x, kernel.pack(q, scale), scale)
+    scheme = _filled(W8A8Linear(width, 64, kernel), weight, smoothing(norm, width, offset=True))(x)
+    plain_error = ((plain - exact).norm() / exact.norm()).item()
+    scheme_error = ((scheme - exact).norm() / exact.norm()).item()
+    print(f"\n7-bit per-token W8A8: plain input {plain_error:.2e}, smoothed and rotated {scheme_error:.2e}")
+    assert scheme_error < plain_error / 2 and scheme_error < 0.02
+
+
+def test_the_smoothing_names_each_projections_norm():
+    layer = "model.language_model.layers.3."
+    assert smoothing_of(layer + "self_attn.q_proj.weight") == (layer + "input_layernorm.weight", True)
+    assert smoothing_of(layer + "linear_attn.in_proj_z.weight") == (layer + "input_layernorm.weight", True)
+    assert smoothing_of(layer + "mlp.up_proj.weight") == (layer + "post_attention_layernorm.weight", True)
+    assert smoothing_of("layers.0.mlp.gate_proj.weight") == ("layers.0.post_attention_layernorm.weight", True)
+    for unsmoothed in ("mlp.down_proj.weight", "self_attn.o_proj.weight", "linear_attn.out_proj.weight"):
+        assert smoothing_of(layer + unsmoothed) is None
+    per_head = smoothing(torch.tensor([4.0, 0.0, -9.0]), 6, offset=False)  # a per-head norm repeats; 0 held off 0
+    torch.testing.assert_close(per_head, torch.tensor([2.0, 3e-6, 3.0, 2.0, 3e-6, 3.0]))
+    torch.testing.assert_close(smoothing(torch.tensor([3.0, -1.0]), 2, offset=True), torch.tensor([2.0, 1e-6 * 2.0]))
 
 
 def test_the_predicate_names_what_stays_high_precision():
@@ -99,12 +167,16 @@ def test_replace_linears_and_quantizing_source_agree_on_names():
     class Block(nn.Module):
         def __init__(self):
             super().__init__()
-            self.up_proj = nn.Linear(8, 16, bias=False)
+            self.post_attention_layernorm = nn.LayerNorm(8)  # stands for the norm `smoothing_of` names
+            self.mlp = nn.Module()
+            self.mlp.up_proj = nn.Linear(8, 16, bias=False)
             self.in_proj_a = nn.Linear(8, 2, bias=False)
-            self.norm = nn.LayerNorm(8)
 
-    block = Block()
-    state = {name: tensor.detach().clone() for name, tensor in block.state_dict().items()}
+    layers = nn.ModuleList([Block()])
+    block = layers[0]
+    with torch.no_grad():
+        block.post_attention_layernorm.weight.uniform_(-0.5, 3.0)
+    state = {f"layers.0.{name}": tensor.detach().clone() for name, tensor in block.state_dict().items()}
 
     class Source:
         def keys(self):
@@ -119,28 +191,29 @@ def test_replace_linears_and_quantizing_source_agree_on_names():
         def get(self, name):
             return state[name]
 
-    replaced = replace_linears(block, "weight-only")
-    assert replaced == ["up_proj"] and isinstance(block.up_proj, Int8Linear)
+    replaced = replace_linears(layers, "weight-only")
+    assert replaced == ["0.mlp.up_proj"] and isinstance(block.mlp.up_proj, WeightOnlyLinear)
     source = QuantizingSource(Source())
-    assert source.keys() == set(block.state_dict())
-    assert source.dtype("up_proj.weight") == torch.int8 and source.shape("up_proj.weight_scale") == (16,)
-    block.load_state_dict({name: source.get(name) for name in source.keys()}, strict=True)
+    assert source.keys() == {f"layers.{name}" for name in layers.state_dict()}
+    assert source.dtype("layers.0.mlp.up_proj.weight") == torch.int8 and source.shape("layers.0.mlp.up_proj.weight_scale") == (16,)
+    assert source.shape("layers.0.mlp.up_proj.input_smoothing") == (8,)
+    norm = state["layers.0.post_attention_layernorm.weight"]
+    assert torch.equal(source.get("layers.0.mlp.up_proj.input_smoothing"), smoothing(norm, 8, offset=True))
+    layers.load_state_dict({name.removeprefix("layers."): source.get(name) for name in source.keys()}, strict=True)
     x = torch.randn(3, 8)
-    torch.testing.assert_close(block.up_proj(x), x @ state["up_proj.weight"].t(), rtol=0.02, atol=0.02)
+    torch.testing.assert_close(block.mlp.up_proj(x), x @ state["layers.0.mlp.up_proj.weight"].t(), rtol=0.02, atol=0.02)
 
 
 def test_the_quantizers_leave_the_kernels_columns_free_and_fbgemm_fills_its_pins():
     """FBGEMM's two pin columns are written into room the quantizers leave (no second copy of the integers);
     the integers are those of the unpadded rounding, and the padded product is still exact."""
-    from clef_flash.checkpoint.w8a8 import FBGEMM, FBGEMM_PINS, quantize_two_digits
+    from clef_flash.checkpoint.w8a8 import FBGEMM, FBGEMM_PINS
 
     generator = torch.Generator().manual_seed(4)
     x = torch.randn(5, 40, generator=generator) * 3
     plain, scale = quantize_per_token(x, levels=63, dtype=torch.float32)
     padded, same_scale = quantize_per_token(x, levels=63, dtype=torch.float32, pad=2)
     assert padded.shape == (5, 42) and torch.equal(padded[:, :40], plain) and torch.equal(scale, same_scale)
-    digits, _, _ = quantize_two_digits(x, levels=63, dtype=torch.float32, pad=2)
-    assert torch.equal(digits[:, :40], quantize_two_digits(x, levels=63, dtype=torch.float32)[0])
     kernel = W8A8_KERNELS[FBGEMM]
     if not kernel.available():
         pytest.skip("FBGEMM is not in this torch build")
@@ -162,8 +235,10 @@ def test_packing_a_weight_hands_the_heaps_free_pages_back(monkeypatch):
         if not W8A8_KERNELS[kernel].available():
             continue
         calls.clear()
-        linear = Int8Linear(16, 8, "w8a8", kernel=kernel)
-        linear.load_state_dict({"weight": q, "weight_scale": scale})
+        linear = W8A8Linear(16, 8, W8A8_KERNELS[kernel])
+        linear.load_state_dict({"weight": q, "weight_scale": scale, "input_smoothing": torch.ones(16)})
+        pack_int8(linear)  # at load: never in a forward
         linear(torch.randn(3, 16))
-        linear(torch.randn(3, 16))  # packed once
+        linear(torch.randn(3, 16))
         assert len(calls) == expected, kernel
+        assert (linear.packed is linear.weight) == (kernel == "int_mm")

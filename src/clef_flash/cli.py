@@ -11,7 +11,7 @@
     clef-flash eval agreement REQUESTS        --model A vs --against-model B: answers that differ, |dp|, near-ties
     clef-flash eval labelled FILE --model SRC accuracy, macro-F1, log-loss, Brier, ECE, a reliability diagram
     clef-flash bench [--random NAME]          latency percentiles, records/s, tokens/s, peak RSS
-    clef-flash convert SRC DST                a release to an 8-bit bundle (memory-mapped, int8, calibrated outliers)
+    clef-flash convert SRC DST                a release to an 8-bit bundle (memory-mapped, int8 smoothed and rotated)
     clef-flash export coreml SRC DST          the Core ML packages of a release or bundle (runs on macOS)
     clef-flash info                           this machine's features and probe, the default precision and why
 
@@ -188,13 +188,11 @@ def command_convert(args: argparse.Namespace) -> int:
     from .conversion import convert
 
     start = time.perf_counter()
-    calibrate = None if args.no_calibrate else args.calibrate
-    out = convert(args.source, args.destination, calibrate=calibrate, revision=args.revision, overwrite=args.overwrite)
+    out = convert(args.source, args.destination, revision=args.revision, overwrite=args.overwrite)
     verify_checksums(out)
     size = sum(path.stat().st_size for path in out.iterdir())
-    calibrated = "outlier channels calibrated on " + calibrate if calibrate else "not calibrated"
     print(
-        f"wrote an {args.precision} bundle to {out} ({calibrated}; {size / 1e9:.2f} GB, "
+        f"wrote an {args.precision} bundle to {out} ({size / 1e9:.2f} GB, "
         f"{time.perf_counter() - start:.1f} s, checksums verified)"
     )
     return 0
@@ -595,12 +593,8 @@ def command_info(args: argparse.Namespace) -> int:
     measured = machine.rates(here)
     device = torch.device("cpu")
     defaults = {
-        kind: choose_precision(device, stored_int8=stored, calibrated=calibrated, rates=lambda: measured)
-        for kind, stored, calibrated in (
-            ("release", False, False),
-            ("calibrated bundle", True, True),
-            ("uncalibrated bundle", True, False),
-        )
+        kind: choose_precision(device, stored_int8=stored, rates=lambda: measured)
+        for kind, stored in (("release", False), ("bundle", True))
     }
     report = {
         **machine.describe(here, measured),
@@ -1094,13 +1088,6 @@ COMMANDS = (
             arg("--precision", default="int8", choices=["int8"], help="weights' precision (int8)"),
             arg("--revision", help="hub revision for a repo id"),
             arg("--overwrite", action="store_true", help="replace an existing destination"),
-            arg(
-                "--calibrate",
-                default="built-in",
-                metavar="REQUESTS",
-                help="JSONL of requests to find the outlier channels on (default: built-in, 16 generated requests)",
-            ),
-            arg("--no-calibrate", action="store_true", help="no calibration: plain per-token int8 activations (W8A8 is then not the default)"),
         ),
     ),
     Command("export", "export for another runtime: coreml", subcommands=EXPORTS, subcommands_dest="format"),

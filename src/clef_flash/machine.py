@@ -4,7 +4,8 @@
 these rates. The probe first qualifies each W8A8 kernel (checkpoint/w8a8.py) on *exactness*: a kernel
 that differs from exact integer products on the adversarial trial is excluded, whatever its speed, and
 never runs (by default or forced). Then it times one decoder-sized product (256 tokens x 4096 -> 4096)
-in fp32, in bf16 and through each exact W8A8 kernel (per-token quantization included), a few repetitions
+in fp32, in bf16 and through each exact W8A8 kernel as a projection runs it (the input's smoothing and rotation,
+checkpoint/quant.py, and its per-token quantization included), a few repetitions
 each, and keeps the best of each. It takes about a second and is cached per machine (CPU model and flags), torch
 build, thread count and ISA limits (`$ONEDNN_MAX_CPU_ISA`, `$FBGEMM_ENABLE_INSTRUCTIONS`) under `$CLEF_FLASH_CACHE` (default ~/.cache/clef-flash), so the choice is the
 same on every load of the same machine.
@@ -26,12 +27,14 @@ from pathlib import Path
 import torch
 
 from .checkpoint.quant import quantize_per_channel
-from .checkpoint.w8a8 import W8A8_KERNELS, exactness_error, fp16_pack, fp16_packed_available, fp16_packed_linear
+from .checkpoint.rotation import rotate
+from .checkpoint.w8a8 import W8A8_KERNELS, exactness_error
 from .checkpoint.vocab import cache_dir
 from .model.precision import BF16
 
-PROBE_VERSION = 5  # 2: kernels qualified on exactness first; the rates of every kernel, the excluded ones; 3: fp16_packed; 4: two_digit;
-# 5: W8A8's kernel is the fastest exact one with 8-bit activations before any with 7
+PROBE_VERSION = 6  # 2: kernels qualified on exactness first; the rates of every kernel, the excluded ones; 3: fp16_packed; 4: two_digit;
+# 5: W8A8's kernel is the fastest exact one with 8-bit activations before any with 7; 6: the rotated scheme's W8A8
+# (smoothing and rotation timed with the kernel), int8_bits; no fp16_packed, two_digit
 ISA_LIMITS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "FBGEMM_ENABLE_INSTRUCTIONS")  # env caps on kernels
 PROBE_SHAPE = (256, 4096, 4096)  # tokens, in features, out features
 FEATURE_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
@@ -43,13 +46,12 @@ class Rates:
 
     fp32: float
     bf16: float
-    int8: float  # W8A8's kernel, its activation quantization included (0.0: none is exact)
-    int8_kernel: str | None  # which one (checkpoint/w8a8.py): the fastest exact with 8-bit activations, else the
-    # fastest exact; None: no kernel is exact on this machine
+    int8: float  # W8A8 on its kernel as a projection runs it (smoothing, rotation, quantization; 0.0: none is exact)
+    int8_kernel: str | None  # which one (checkpoint/w8a8.py): the fastest exact one with 8-bit activations that is no
+    # reference loop, else the fastest exact one; None: no kernel is exact on this machine
     kernels: dict[str, float] = field(default_factory=dict)  # every exact kernel's G(OP)/s
     excluded: dict[str, str] = field(default_factory=dict)  # kernel -> why it never runs here
-    fp16_packed: float = 0.0  # FBGEMM's fp16-packed linear (fp32 arithmetic); 0.0: not in this torch build
-    two_digit: float = 0.0  # the fastest exact kernel with two int8 digits per activation (W8A8's gated products)
+    int8_bits: int = 0  # the activation bits of int8_kernel (8; 7 on FBGEMM); 0: none
 
 
 @dataclass(frozen=True)
@@ -115,13 +117,13 @@ def kernel_note(name: str, gops: float, fp32: float) -> str:
     """One exact kernel's probe figure as `info` prints it: its rate, and why the default passes it over."""
     if is_reference_loop(gops, fp32):
         return f"{gops:.2g} GOP/s, a reference loop here: used only when forced"
-    seven_bit = "" if W8A8_KERNELS[name].levels == 127 else f", {W8A8_KERNELS[name].levels.bit_length() + 1}-bit activations"
-    return f"{gops:.0f} GOP/s{seven_bit}"
+    bits = W8A8_KERNELS[name].activation_bits
+    return f"{gops:.0f} GOP/s" + ("" if bits == 8 else f", {bits}-bit activations: never the default")
 
 
 def w8a8_choice(kernels: dict[str, float], fp32: float) -> str | None:
-    """W8A8's kernel among the exact ones (name -> G(OP)/s): the fastest with 8-bit activations that is no
-    reference loop, else the fastest (precision.SEVEN_BIT_KERNELS: W8A8 then runs most projections in two digits); None: none."""
+    """W8A8's kernel among the exact ones (name -> G(OP)/s): the fastest with 8-bit activations that is no reference
+    loop, else the fastest (then W8A8 is not qualified: used only when forced); None: none."""
     eight_bit = [name for name in kernels if W8A8_KERNELS[name].levels == 127 and not is_reference_loop(kernels[name], fp32)]
     return max(eight_bit or kernels, key=kernels.get) if kernels else None
 
@@ -138,11 +140,11 @@ def measure(repeats: int = 3, shape: tuple[int, int, int] = PROBE_SHAPE) -> Rate
     x = torch.randn(tokens, inputs, generator=generator)
     weight = torch.randn(outputs, inputs, generator=generator) / inputs**0.5
     q, scale = quantize_per_channel(weight)
+    smoothing = torch.ones(inputs)
     x16, weight16 = x.to(BF16), weight.to(BF16)
     ops = 2 * tokens * inputs * outputs
     rate = lambda run, ops=ops: ops / _best_seconds(run, repeats) / 1e9  # noqa: E731
     fp32 = rate(lambda: x @ weight.t())
-    small_x, small_q, small_scale = x[: tokens // 4, : inputs // 4].contiguous(), q[: outputs // 4, : inputs // 4].contiguous(), scale[: outputs // 4]
     kernels, excluded = {}, {}
     for kernel in W8A8_KERNELS.values():
         if not kernel.available():
@@ -152,30 +154,21 @@ def measure(repeats: int = 3, shape: tuple[int, int, int] = PROBE_SHAPE) -> Rate
         if error != 0:
             excluded[kernel.name] = f"not exact here: off by up to {error:.0f} from exact integer products on the adversarial trial"
             continue
+        small_x, small_q, small_scale = x[: tokens // 4, : inputs // 4].contiguous(), q[: outputs // 4, : inputs // 4].contiguous(), scale[: outputs // 4]
         packed = kernel.pack(small_q, small_scale)
-        small = rate(lambda: kernel.linear(small_x, packed, small_scale), ops / 64)
+        small = rate(lambda: kernel.linear(rotate(small_x / smoothing[: inputs // 4]), packed, small_scale), ops / 64)
         if not is_reference_loop(small, fp32):
             packed = kernel.pack(q, scale)
-            kernels[kernel.name] = rate(lambda: kernel.linear(x, packed, scale))
+            kernels[kernel.name] = rate(lambda: kernel.linear(rotate(x / smoothing), packed, scale))
         else:
             kernels[kernel.name] = small  # a reference loop: exact, usable when forced, never the default
     best = w8a8_choice(kernels, fp32)
-    two_digit = 0.0
-    if best is not None and not is_reference_loop(kernels[best], fp32):  # the same product, its activations in two int8 digits
-        kernel = W8A8_KERNELS[best]
-        packed = kernel.pack(q, scale)
-        two_digit = rate(lambda: kernel.two_digit_linear(x, packed, scale))
-    fp16_packed = 0.0
-    if fp16_packed_available():
-        packed16 = fp16_pack(weight)
-        fp16_packed = rate(lambda: fp16_packed_linear(x, packed16))
     return Rates(
-        fp16_packed=fp16_packed,
-        two_digit=two_digit,
         fp32=fp32,
         bf16=rate(lambda: x16 @ weight16.t()),
         int8=kernels.get(best, 0.0),
         int8_kernel=best,
+        int8_bits=W8A8_KERNELS[best].activation_bits if best else 0,
         kernels=kernels,
         excluded=excluded,
     )
@@ -227,10 +220,9 @@ def describe(machine: Machine, measured: Rates) -> dict:
             "bf16_gflops": round(measured.bf16, 1),
             "int8_gops": round(measured.int8, 1),
             "int8_kernel": measured.int8_kernel,
+            "int8_activation_bits": measured.int8_bits,
             "int8_kernels_gops": {name: round(value, 1) for name, value in measured.kernels.items()},
             "int8_excluded": measured.excluded,
-            "fp16_packed_gflops": round(measured.fp16_packed, 1),
-            "two_digit_gops": round(measured.two_digit, 1),
         },
     }
 

@@ -1,11 +1,9 @@
 """The plan: how a checkpoint runs on this machine, decided once and read by everything after.
 
     resolve(checkpoint, device, requested) -> Plan   (the Plan itself: model/precision.py)
-    fastest_dense(device) -> Plan                    16/32 bits, for calibration (conversion.py)
 
-A `Plan` is the precision (name, compute dtype, int8 mode: model/precision.py), the W8A8 kernel and the
-dtype of W8A8's weight-only projections (from the machine's probe: machine.py), the device, the backend,
-and the reason. `resolve` and `fastest_dense` are the only callers of the probe; `build_model`, the CLI,
+A `Plan` is the precision (name, compute dtype, int8 mode: model/precision.py), the W8A8 kernel (from the
+machine's probe: machine.py), the device, the backend, and the reason. `resolve` is the only caller of the probe; `build_model`, the CLI,
 conversion, Ray's engine spec, the Core ML export and the state cache's key take the plan. A new precision is a row of
 `model.precision.PRECISIONS`; a new kernel is an entry of `checkpoint.w8a8.W8A8_KERNELS` (the probe times
 and qualifies it); a new backend is a `backend` name here and a class in engine/.
@@ -20,23 +18,21 @@ import torch
 
 from .checkpoint.names import LM_HEAD
 from .errors import ClefError
+from .checkpoint.w8a8 import W8A8_KERNELS
 from .machine import available_memory_bytes
 from .machine import rates as machine_rates
 from .model.precision import (
     COREML,
     COREML_PRECISION,
     W8A8,
-    WEIGHT_ONLY,
     Plan,
     choose_precision,
-    dense_dtype_for,
-    gated_mode_for,
     is_scale,
     resolve_precision,
     w8a8_kernel,
 )
 
-__all__ = ["Plan", "coreml_plan", "fastest_dense", "resolve"]
+__all__ = ["Plan", "coreml_plan", "resolve"]
 
 
 def decoder_parameters(checkpoint: Any) -> int | None:
@@ -48,7 +44,7 @@ def decoder_parameters(checkpoint: Any) -> int | None:
 
 
 def resolve(checkpoint: Any, device: torch.device, requested: str | None) -> Plan:
-    """The plan `checkpoint` (anything with `stored_int8`, `calibrated` and `where`) runs in on `device`:
+    """The plan `checkpoint` (anything with `stored_int8` and `where`) runs in on `device`:
     `requested`, else $CLEF_FLASH_PRECISION, else the fastest qualified path on this machine."""
     choosing = requested is None and device.type == "cpu"  # only the default weighs sizes against memory
     try:
@@ -56,7 +52,6 @@ def resolve(checkpoint: Any, device: torch.device, requested: str | None) -> Pla
             requested,
             device,
             stored_int8=checkpoint.stored_int8,
-            calibrated=checkpoint.calibrated,
             rates=machine_rates,
             parameters=decoder_parameters(checkpoint) if choosing else None,
             memory_bytes=available_memory_bytes() if choosing else None,
@@ -70,18 +65,7 @@ def resolve(checkpoint: Any, device: torch.device, requested: str | None) -> Pla
         kernel = w8a8_kernel(measured)  # exact kernels only: forced or not
     except ValueError as exc:
         raise ClefError(str(exc)) from None
-    gated_mode = gated_mode_for(measured, compact=precision.compact)
-    dense_dtype = dense_dtype_for(measured) if gated_mode == WEIGHT_ONLY and not precision.compact else None
-    return Plan(precision, device, kernel=kernel, dense_dtype=dense_dtype, gated_mode=gated_mode)
-
-
-def fastest_dense(device: torch.device) -> Plan:
-    """The fastest 16/32-bit plan a release has on `device` whatever its size (the probe's choice between
-    fp32 and bf16; $CLEF_FLASH_PRECISION aside): conversion's calibration, which holds one layer at a time."""
-    precision = choose_precision(device, stored_int8=False, calibrated=False, rates=machine_rates)
-    if precision.quantized:  # int8 weight-only is never faster than the fp32 it dequantizes to
-        raise ClefError(f"no 16/32-bit precision is the fastest here ({precision.reason})")
-    return Plan(precision.on(device), device)
+    return Plan(precision, device, kernel=kernel, activation_bits=W8A8_KERNELS[kernel].activation_bits)
 
 
 def coreml_plan(runner: str) -> Plan:

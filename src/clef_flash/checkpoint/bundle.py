@@ -4,7 +4,8 @@ A bundle directory:
 
     manifest.json          format name and version, precision and scheme, the source's config and its hash,
                            every file with its size and sha256, every tensor with its file, dtype and shape
-    decoder.safetensors    the decoder: int8 projections + fp32 scales, everything else as the release stores it
+    decoder.safetensors    the decoder: int8 projections in the int8 scheme (checkpoint/quant.py: smoothed by their
+                           norm's scale and rotated) + fp32 scales and smoothing, everything else as the release stores it
     embeddings.safetensors input embeddings, 16-bit, gathered by row from the memory map (never loaded whole)
     lm_head.safetensors    output embeddings, 16-bit; the head gathers only the option tokens' rows
     joint_head.safetensors the joint head, fp32
@@ -34,11 +35,10 @@ import torch
 
 from ..console import ProgressBar
 from ..errors import BundleError, WeightsError
-from ..model.precision import KEPT_HIGH_PRECISION, PRECISIONS, Plan, storage_dtype_of
+from ..model.precision import INT8_SCHEME_VERSION, KEPT_HIGH_PRECISION, PRECISIONS, Plan, storage_dtype_of
 from .loading import build_model
 from .names import DECODER_PREFIX, EMBEDDING, IGNORED_PREFIXES, LM_HEAD, VISION_PREFIX
 from .quant import SCHEME, QuantizingSource
-from .outliers import MAX_FRACTION, THRESHOLD, Calibration, find_outliers
 from .safetensors_io import (
     MappedSafetensors,
     MergedSources,
@@ -64,7 +64,7 @@ from .sources import (
 )
 
 FORMAT = "clef-flash-bundle"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1: plain per-channel int8 (+ calibrated outlier channels); 2: the smoothed and rotated scheme
 MANIFEST = "manifest.json"
 COPIED_FILES = ("config.json", HEAD_CONFIG, "tokenizer.json")
 COPIED_IF_PRESENT = (PROCESSOR_CONFIG, VIDEO_PROCESSOR_CONFIG)  # with the vision tower
@@ -101,24 +101,16 @@ def convert(
     revision: str | None = None,
     overwrite: bool = False,
     progress: bool = True,
-    calibration: Calibration | None = None,
-    calibration_source: str | None = None,
 ) -> Path:
-    """Convert a release into an 8-bit bundle at `destination`, reading one tensor at a time.
-
-    `calibration` (conversion.calibrate_layer_major on the release): each projection's outlier input channels
-    are kept in fp32 beside its int8 weight; `calibration_source` says in the manifest what it was computed on.
-    """
+    """Convert a release into an 8-bit bundle at `destination`, reading one tensor at a time (no calibration: the
+    int8 scheme needs the weights alone)."""
     if precision != "int8":
         raise BundleError(f"unknown bundle precision {precision!r}: only int8 bundles exist")
     root = check_conversion(source, destination, revision=revision, overwrite=overwrite)
     destination = Path(destination)
     # Read once, in order (no memory map); its projections as the int8 bundle will store them.
     release = open_release(root, source=str(source), files=StreamedSafetensors)
-    outliers = find_outliers(calibration) if calibration is not None else {}
-    checkpoint = dataclasses.replace(
-        release, tensors=QuantizingSource(release.tensors, outliers=outliers), stored_int8=True
-    )
+    checkpoint = dataclasses.replace(release, tensors=QuantizingSource(release.tensors), stored_int8=True)
     # Check every name and shape against the model before writing anything (meta tensors: no data read).
     _check(checkpoint)
 
@@ -162,20 +154,7 @@ def convert(
                 "quantized": "decoder projections (*_proj.weight, in_proj_*.weight; 2-D)",
                 "kept_high_precision": list(KEPT_HIGH_PRECISION) + ["norms", "conv1d", "A_log", "dt_bias", "model.visual.* (as released)"],
                 "dtypes": {part: str(dtype).removeprefix("torch.") for part, dtype in _part_dtypes(plans).items()},
-                "outliers": None
-                if calibration is None
-                else {
-                    "method": "input channels above threshold x the median channel's calibration absmax: fp32 beside int8",
-                    "threshold": THRESHOLD,
-                    "max_fraction": MAX_FRACTION,
-                    "projections": len(outliers),
-                    "channels": sum(len(channels) for channels in outliers.values()),
-                    "calibration": {
-                        "source": calibration_source or "given",
-                        "records": calibration.records,
-                        "tokens": calibration.tokens,
-                    },
-                },
+                "int8_scheme_version": INT8_SCHEME_VERSION,
             },
             "source": {
                 "path": str(source),
@@ -240,8 +219,9 @@ def read_manifest(root: Path) -> dict:
     version = manifest.get("format_version")
     if version != FORMAT_VERSION:
         raise BundleError(
-            f"{root} is a bundle of format version {version}; this clef-flash reads version {FORMAT_VERSION}: "
-            "convert the release again with this version (clef-flash convert SRC DST)"
+            f"{root} is a bundle of format version {version}; this clef-flash reads version {FORMAT_VERSION} (its int8 "
+            "weights are smoothed and rotated: checkpoint/quant.py): convert the release again with this version "
+            "(clef-flash convert SRC DST)"
         )
     for name, entry in manifest.get("files", {}).items():
         file = root / name

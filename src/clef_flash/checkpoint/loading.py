@@ -20,10 +20,10 @@ from torch.overrides import TorchFunctionMode
 
 from ..errors import ModelSourceError
 from ..errors import WeightsError
-from .names import DECODER_PREFIX, IGNORED_PREFIXES, LM_HEAD, VISION_PREFIX, outlier_counts
-from .quant import QuantizingSource, replace_linears
-from .w8a8 import INT_MM
+from .names import DECODER_PREFIX, IGNORED_PREFIXES, LM_HEAD, VISION_PREFIX
+from .quant import QuantizingSource, pack_int8, replace_linears, unpack_int8
 from .safetensors_io import TensorSource, release_pages
+from .w8a8 import INT_MM
 
 if TYPE_CHECKING:
     from ..model.config import TextConfig
@@ -117,6 +117,7 @@ def empty_module(module: nn.Module) -> None:
     view a memory map."""
     for tensor in module.state_dict().values():
         release_pages(tensor)
+    unpack_int8(module)
     module.to_empty(device="meta")
 
 
@@ -146,6 +147,7 @@ class LayerWindow:
             dtype_of=lambda name, stored: self.dtype_of(relative + name, stored),
             device=self.device,
         )
+        pack_int8(layer)
         self.resident[prefix] = layer
         self.most_resident = max(self.most_resident, len(self.resident))
 
@@ -185,8 +187,8 @@ def build_model(checkpoint: Checkpoint, plan: Plan, *, resident_layers: int | No
     int8 weights and their scales (a bundle), or from the checkpoint quantized tensor by tensor while
     loading (`QuantizingSource`). `resident_layers` (low-memory mode): at most that many decoder layers
     hold their weights at once, each filled from the (memory-mapped) source just before it runs.
-    The `plan` (plan.py) says everything else: the precision, the W8A8 kernel, the dtype of W8A8's
-    weight-only projections, the device.
+    The `plan` (plan.py) says everything else: the precision, the W8A8 kernel, the device. Whatever a forward
+    needs is made here (the int8 weights packed for their kernel), so the first answer takes a warm one's time.
     """
     precision, device = plan.precision, plan.device
     from ..model.joint_head import HeadConfig, JointHead
@@ -210,7 +212,7 @@ def build_model(checkpoint: Checkpoint, plan: Plan, *, resident_layers: int | No
         decoder = Qwen35Decoder(text_config)
         head = JointHead(head_config)
     if precision.quantized:
-        replace_linears(decoder, precision.int8_mode, outliers=outlier_counts(tensors), kernel=plan.kernel or INT_MM, dense_dtype=plan.dense_dtype, gated_mode=plan.gated_mode)
+        replace_linears(decoder, precision.int8_mode, kernel=plan.kernel or INT_MM)
         decoder.activation_dtype = precision.compute_dtype
     names = checked_decoder_names(checkpoint, tensors, decoder)
     if resident_layers:
@@ -225,6 +227,7 @@ def build_model(checkpoint: Checkpoint, plan: Plan, *, resident_layers: int | No
         device=device,
         strict=not resident_layers,
     )
+    pack_int8(decoder)  # (streamed layers: each when its window fills it)
     stored_lm_head = tensors.get(LM_HEAD)
     lm_head = stored_lm_head.to(device=device, dtype=precision.lm_head_dtype(stored_lm_head.dtype))
 

@@ -1,64 +1,57 @@
-"""8-bit decoder weights: one storage scheme, two ways to compute with it.
+"""8-bit decoder weights: one scheme (smoothed, rotated, per-channel int8), a class per way to compute with it.
 
-Scheme: symmetric int8, one fp32 scale per output channel, `w ~ q * scale[:, None]`, `|q| <= 127`.
+Scheme (`INT8_SCHEME_VERSION` 2). For a projection `y = x W^T` with input width I:
+- `s` [I]: the square root of the per-channel scale of the norm its input comes from (`precision.smoothing_of`;
+  ones for the projections that read no norm), and `R = D H` [I, I]: a fixed randomized Hadamard rotation (checkpoint/rotation.py). Both are
+  orthogonal-or-diagonal, so `y = ((x / s) R) ((W diag(s)) R)^T` exactly.
+- The weight `(W diag(s)) R` is held in symmetric int8, one fp32 scale per output channel, `|q| <= 127`;
+  `s` is kept beside it (`x.input_smoothing`).
+- At run time the input is divided by `s` and rotated: half of a norm's large channels (where activation outliers are
+  made) moves into the weight (SmoothQuant's balance, alpha 0.5), and what is left of any few large channels is
+  spread over the whole block, so one token's int8 scale is set by all its channels, not by a few
+  (benchmarks/agreement.py measures each step).
+
 What is quantized is one explicit predicate, `model.precision.is_quantized`: the decoder's 2-D projection
-weights (`*_proj.weight`, `in_proj_*.weight`), except `KEPT_HIGH_PRECISION`. Everything else stays as stored: norms, the
-depthwise conv, `A_log`, `dt_bias`; the input embeddings are 16-bit and gathered by row; the head and
-the output-embedding rows it reads are never quantized.
+weights, except `KEPT_HIGH_PRECISION`. Everything else stays as stored.
 
-Compute modes (`Int8Linear.mode`):
-- `weight-only`: the int8 weight is dequantized tile by tile (a block of output rows at a time) to the
-  activations' dtype and multiplied there; only the weight's rounding is added.
-- `w8a8`: activations are quantized per token (one scale per row) and multiplied in int8 with int32
-  accumulation by one of the kernels of checkpoint/w8a8.py (oneDNN, FBGEMM, `torch._int_mm`): the one the
-  machine's probe found exact and fastest.
-- `w8a8-two-digit` (W8A8's gated products, where the probe found it fastest): as `w8a8`, each activation in
-  two int8 digits (~15 bits; checkpoint/w8a8.py), the weight still its 1-byte int8.
-- `weight-only-bf16-scratch` (W8A8's gated products where bf16 is fast and their bf16 copies do not fit): the
-  int8 weight widened to bf16 on every forward into a scratch buffer shared by the linears of its shape (exact:
-  |q| <= 127), multiplied in bf16, the scale applied to the output; the weight stays 1 byte.
-- Outlier channels (LLM.int8()'s decomposition): a linear may carry a few input channels, found by
-  calibration (checkpoint/outliers.py), that are multiplied densely in fp32 and left out of the int8 parts.
+Two classes, one line of forward each, built by `replace_linears` from the plan:
+- `WeightOnlyLinear`: the int8 weight dequantized tile by tile to fp32 and multiplied there.
+- `W8A8Linear`: the rotated input quantized per token and multiplied in int8 with int32 sums by the plan's kernel
+  (checkpoint/w8a8.py); the weight packed for that kernel once, when it is filled (`pack_int8`), never in a forward.
 
-`QuantizingSource` wraps any tensor source (a release's safetensors) and presents the quantized
-names, so loading a release as int8 and converting it to a bundle are the same code path.
+`QuantizingSource` wraps any tensor source (a release's safetensors) and presents the quantized names, so loading
+a release as int8 and converting it to a bundle are the same code path.
 """
 
 from __future__ import annotations
 
-import threading
 from typing import Any, Iterator
 
 import torch
 from torch import nn
 
-from .safetensors_io import is_mapped, release_pages, return_free_heap
-from .w8a8 import INT_MM, W8A8_KERNELS, fp16_pack, fp16_packed_linear
-
 from ..model.precision import (
-    BF16,
-    BF16_SCRATCH,
     FP32,
     INT8,
-    LINEAR_MODES,
-    OUTLIER_CHANNELS,
-    OUTLIER_DTYPE,
-    OUTLIER_WEIGHT,
-    PACKED_FP16,
     SCALE_DTYPE,
     SCALE_SUFFIX,
-    TWO_DIGITS,
+    SMOOTHING_EXPONENT,
+    SMOOTHING_SUFFIX,
     W8A8,
     WEIGHT_ONLY,
-    int8_mode_of,
     is_quantized,
+    smoothing_of,
 )
+from .rotation import rotate
+from .safetensors_io import release_pages, return_free_heap
+from .w8a8 import W8A8_KERNELS, W8A8Kernel
 
-SCHEME = "int8 symmetric, one fp32 scale per output channel"
+SCHEME = "int8 per output channel of (W diag(s)) R; activations (x / s) R per token (s: the input's norm scale, R: randomized Hadamard)"
 TILE_ELEMENTS = 1 << 22  # weight elements dequantized at once in weight-only mode (16 MB of fp32)
+ROWS_AT_ONCE = 4096  # weight rows rotated and quantized at once (64 MB of fp32 at 4096 columns)
 
 
-def quantize_per_channel(weight: torch.Tensor, rows_at_once: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_per_channel(weight: torch.Tensor, rows_at_once: int = ROWS_AT_ONCE) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [O, I] (any float dtype) -> (q int8 [O, I], scale fp32 [O]); computed in fp32 a block of rows at a time."""
     out_features = weight.shape[0]
     q = torch.empty(weight.shape, dtype=INT8)
@@ -76,24 +69,24 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = FP32) 
     return (q.float() * scale.float()[:, None]).to(dtype)
 
 
-_scratch = threading.local()  # .buffers: (shape, device) -> bf16 tensor; one set per thread that runs a model
+def smoothing(norm_weight: torch.Tensor | None, width: int, offset: bool) -> torch.Tensor:
+    """The input scale `s` [width] fp32 of a projection: |g| ** SMOOTHING_EXPONENT of its norm's per-channel scale g
+    (`1 + w` where `offset`, else `w`), repeated over heads where the norm is per head; ones without a norm. Entries
+    near 0 are held at 1e-6 of the largest: the input there is ~0 anyway, and 1 / s stays finite."""
+    if norm_weight is None:
+        return torch.ones(width, dtype=SCALE_DTYPE)
+    scale = (norm_weight.float() + 1.0 if offset else norm_weight.float()).abs().pow(SMOOTHING_EXPONENT)
+    scale = scale.repeat(width // scale.numel())  # [width]: per-head norms repeat over the heads
+    return scale.clamp_min(1e-6 * float(scale.max().clamp_min(torch.finfo(FP32).tiny)))
 
 
-def bf16_scratch(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """A bf16 buffer of `shape` shared by every linear of that shape on this thread (overwritten by each use)."""
-    buffers = _scratch.__dict__.setdefault("buffers", {})
-    key = (shape, device)
-    if key not in buffers:
-        buffers[key] = torch.empty(shape, dtype=BF16, device=device)
-    return buffers[key]
-
-
-def bf16_scratch_linear(x2d: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x2d [M, I] @ dequantize(q, scale).T -> [M, O] fp32: q widened into a shared bf16 buffer (exact), the
-    product in bf16 with fp32 sums, the per-channel scale applied to the rounded output. Copying into a buffer
-    that exists costs ~4x less than `q.to(bf16)` (fresh pages); the weight is rounded once less than a bf16 copy."""
-    widened = bf16_scratch(tuple(q.shape), q.device).copy_(q)  # [O, I]
-    return (x2d.to(BF16) @ widened.t()).float().mul_(scale)
+def quantize_weight(weight: torch.Tensor, input_smoothing: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [O, I] -> the scheme's (q int8 [O, I], scale fp32 [O]) of `(W diag(s)) R`, a block of rows at a time."""
+    out_features = weight.shape[0]
+    rotated = torch.empty(weight.shape, dtype=FP32)  # [O, I]
+    for start in range(0, out_features, ROWS_AT_ONCE):
+        rotated[start : start + ROWS_AT_ONCE] = rotate(weight[start : start + ROWS_AT_ONCE].float() * input_smoothing)
+    return quantize_per_channel(rotated)
 
 
 def weight_only_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -108,97 +101,87 @@ def weight_only_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) ->
 
 
 class Int8Linear(nn.Module):
-    """A bias-free linear with int8 weights [O, I] and fp32 scales [O]: a drop-in for `nn.Linear`.
+    """A bias-free linear in the int8 scheme, a drop-in for `nn.Linear`: `weight` int8 [O, I] (of `(W diag(s)) R`),
+    `weight_scale` fp32 [O], `input_smoothing` fp32 [I] (`s`). Subclasses say how the product is computed."""
 
-    `outliers` > 0 (LLM.int8()'s decomposition): that many input channels, found by calibration, are
-    multiplied densely in high precision (`outlier_weight` [O, n] at `outlier_channels` [n]); the int8
-    weight holds zeros there and W8A8 quantizes the activations without them, so a few channels tens of
-    times larger than the rest do not coarsen every other channel's rounding. In W8A8 on a CPU with
-    W8A8, the weight is packed for its kernel on the first forward (again if it is refilled).
-    """
+    mode = ""
 
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        mode: str,
-        outliers: int = 0,
-        kernel: str = INT_MM,
-        dense_dtype: torch.dtype | None = None,
-    ):
+    def __init__(self, in_features: int, out_features: int):
         super().__init__()
-        if mode not in LINEAR_MODES:
-            raise ValueError(f"unknown int8 mode {mode!r}: use one of {', '.join(LINEAR_MODES)}")
-        if kernel not in W8A8_KERNELS:
-            raise ValueError(f"unknown W8A8 kernel {kernel!r}: use one of {', '.join(W8A8_KERNELS)}")
-        self.in_features, self.out_features, self.mode, self.kernel = in_features, out_features, mode, kernel
-        # Weight-only with a `dense_dtype` (W8A8's gated-product projections): the weight is dequantized once into
-        # that 2-byte form and kept (dequantizing per forward cost more than the product): bf16 where the CPU is
-        # fast at it, else FBGEMM's fp16-packed weights with fp32 arithmetic (precision.PACKED_FP16);
-        # None: dequantized tile by tile on every forward, in x's dtype (int8-weight-only: memory stays 1 byte/weight).
-        self.dense_dtype = dense_dtype
-        self._prepared: Any = None  # the weight packed for the W8A8 kernel, or dequantized to dense_dtype
-        self._prepared_from: torch.Tensor | None = None  # the weight it was made from
+        self.in_features, self.out_features = in_features, out_features
         self.register_buffer("weight", torch.empty(out_features, in_features, dtype=INT8))
         self.register_buffer("weight" + SCALE_SUFFIX, torch.empty(out_features, dtype=SCALE_DTYPE))
-        # Buffers either way (None: not in the state dict), so that a plain projection loads as before.
-        self.register_buffer(OUTLIER_CHANNELS, torch.empty(outliers, dtype=torch.long) if outliers else None)
-        self.register_buffer(OUTLIER_WEIGHT, torch.empty(out_features, outliers, dtype=OUTLIER_DTYPE) if outliers else None)
+        self.register_buffer(SMOOTHING_SUFFIX, torch.empty(in_features, dtype=SCALE_DTYPE))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2d = x.reshape(-1, self.in_features)  # [M, I]
-        if self.mode == BF16_SCRATCH:  # a mapped weight is read once into the process's own memory, as the W8A8 packs are
-            weight = self._prepare(lambda weight: weight.clone() if is_mapped(weight) else weight)
-            out = bf16_scratch_linear(x2d, weight, self.weight_scale)
-        elif self.mode == WEIGHT_ONLY:
-            if self.dense_dtype is None:
-                out = weight_only_linear(x2d, self.weight, self.weight_scale).float()  # outlier columns of q are 0
-            elif self.dense_dtype == PACKED_FP16 and x.device.type == "cpu":  # FBGEMM: fp16 storage, fp32 math
-                packed = self._prepare(lambda weight: fp16_pack(dequantize(weight, self.weight_scale, FP32)))
-                out = fp16_packed_linear(x2d.float(), packed)
-            else:
-                dense = self._prepare(lambda weight: dequantize(weight, self.weight_scale, self.dense_dtype))  # [O, I]
-                out = (x2d.to(self.dense_dtype) @ dense.t()).float()
-        else:
-            kernel = W8A8_KERNELS[self.kernel if x.device.type == "cpu" else INT_MM]  # cuBLAS on CUDA
-            packed = self._prepare(lambda weight: kernel.pack(weight, self.weight_scale))
-            multiply = kernel.two_digit_linear if self.mode == TWO_DIGITS else kernel.linear
-            out = multiply(x2d, packed, self.weight_scale, self.outlier_channels)
-        if self.outlier_channels is not None:
-            out.addmm_(x2d.index_select(1, self.outlier_channels).to(out.dtype), self.outlier_weight.t().to(out.dtype))
+    def inputs(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., I] -> (x / s) R as fp32 [M, I]: what the int8 weight multiplies."""
+        return rotate(x.reshape(-1, self.in_features).float() / self.input_smoothing)
+
+    def shaped(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """out [M, O] -> [..., O] in x's dtype."""
         return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
-    def _prepare(self, make) -> torch.Tensor:
-        """The weight in the form this linear runs (`make(weight)`), made on first use and again when the
-        weight is refilled (the low-memory window); a bundle's mapped int8 pages are given back after."""
-        if self._prepared_from is not self.weight:
-            self._prepared, self._prepared_from = make(self.weight), self.weight
-            if self._prepared is not self.weight:  # (torch._int_mm reads the int8 weight as it is)
-                release_pages(self.weight)
-                return_free_heap()  # the packing's temporaries
-        return self._prepared
+    def pack(self) -> None:
+        """Make the weight's run-time form from the filled buffers (W8A8: its kernel's layout); nothing here."""
 
     def extra_repr(self) -> str:
-        kernel = f", kernel={self.kernel}" if self.mode in (W8A8, TWO_DIGITS) else ""
-        outliers = f", outliers={len(self.outlier_channels)}" if self.outlier_channels is not None else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}{kernel}{outliers}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}"
 
 
-def replace_linears(
-    module: nn.Module,
-    mode: str,
-    keep: tuple[str, ...] | None = None,
-    outliers: dict[str, int] | None = None,
-    kernel: str = INT_MM,
-    dense_dtype: torch.dtype | None = None,
-    gated_mode: str = WEIGHT_ONLY,
-) -> list[str]:
-    """Swap every `nn.Linear` whose weight `is_quantized` for an `Int8Linear` (on the same device); returns their names.
+class WeightOnlyLinear(Int8Linear):
+    """The int8 weight dequantized tile by tile; the rotated input in fp32."""
 
-    `outliers`: linear name -> number of outlier channels its source holds (from a calibrated bundle).
-    Each linear runs in `int8_mode_of(name, mode, gated_mode, kernel)`; `kernel` and `dense_dtype` as in `Int8Linear`.
-    """
-    outliers = outliers or {}
+    mode = WEIGHT_ONLY
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.shaped(weight_only_linear(self.inputs(x), self.weight, self.weight_scale), x)
+
+
+class W8A8Linear(Int8Linear):
+    """The rotated input in int8 per token (the kernel's levels), int8 x int8 products with int32 sums."""
+
+    mode = W8A8
+
+    def __init__(self, in_features: int, out_features: int, kernel: W8A8Kernel):
+        super().__init__(in_features, out_features)
+        self.kernel = kernel
+        self.packed: Any = None  # the weight in the kernel's layout: `pack`, after every fill
+
+    def pack(self) -> None:
+        self.packed = self.kernel.pack(self.weight, self.weight_scale)
+        if self.packed is not self.weight:  # (torch._int_mm reads the int8 weight as it is)
+            release_pages(self.weight)  # a bundle's mapped pages: the packed copy is what runs
+            return_free_heap()  # the packing's temporaries
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.shaped(self.kernel.linear(self.inputs(x), self.packed, self.weight_scale), x)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, kernel={self.kernel.name}"
+
+
+def pack_int8(module: nn.Module) -> None:
+    """Pack every filled int8 linear of `module` for its kernel (`load` and the low-memory window call this; a layer
+    still on the meta device waits for its window)."""
+    for child in module.modules():
+        if isinstance(child, Int8Linear) and not child.weight.is_meta:
+            child.pack()
+
+
+def unpack_int8(module: nn.Module) -> None:
+    """Drop the packed weights of `module`'s int8 linears (the low-memory window empties a layer)."""
+    for child in module.modules():
+        if isinstance(child, W8A8Linear):
+            child.packed = None
+
+
+def replace_linears(module: nn.Module, mode: str, kernel: str | None = None, keep: tuple[str, ...] | None = None) -> list[str]:
+    """Swap every `nn.Linear` whose weight `is_quantized` for an `Int8Linear` of `mode` (W8A8 on `kernel`, a name of
+    checkpoint/w8a8.py's W8A8_KERNELS), on the same device; returns their names."""
+    if mode not in (WEIGHT_ONLY, W8A8):
+        raise ValueError(f"unknown int8 mode {mode!r}: use one of {WEIGHT_ONLY}, {W8A8}")
+    if mode == W8A8 and kernel not in W8A8_KERNELS:
+        raise ValueError(f"unknown W8A8 kernel {kernel!r}: use one of {', '.join(W8A8_KERNELS)}")
     replaced = []
     for name, child in list(module.named_modules()):
         for child_name, linear in list(child.named_children()):
@@ -207,40 +190,26 @@ def replace_linears(
                 if linear.bias is not None:
                     raise ValueError(f"{full} has a bias: the int8 scheme covers bias-free projections only")
                 with torch.device(linear.weight.device):
-                    replacement = Int8Linear(
-                        linear.in_features,
-                        linear.out_features,
-                        int8_mode_of(full, mode, gated_mode, kernel),
-                        outliers=outliers.get(full, 0),
-                        kernel=kernel,
-                        dense_dtype=dense_dtype,
-                    )
+                    if mode == W8A8:
+                        replacement: Int8Linear = W8A8Linear(linear.in_features, linear.out_features, W8A8_KERNELS[kernel])
+                    else:
+                        replacement = WeightOnlyLinear(linear.in_features, linear.out_features)
                 setattr(child, child_name, replacement)
                 replaced.append(full)
     return replaced
 
 
 class QuantizingSource:
-    """A tensor source seen through the scheme: `x.weight` becomes int8 and `x.weight_scale` appears.
+    """A tensor source seen through the scheme: `x.weight` becomes int8 (of `(W diag(s)) R`), and `x.weight_scale`
+    and `x.input_smoothing` appear. The last quantized tensor is kept so that reading a weight and then its scale
+    quantizes once."""
 
-    `outliers` (weight name -> channel indices [n], from checkpoint/outliers.py): those columns of the
-    weight are zeroed before quantization and appear as `x.outlier_weight` [O, n] (fp32) beside
-    `x.outlier_channels` [n]. The last quantized tensor is kept so that reading a weight and then its
-    scale quantizes once.
-    """
-
-    def __init__(self, source, keep: tuple[str, ...] | None = None, outliers: dict[str, torch.Tensor] | None = None):
-        self.source, self.keep, self.outliers = source, keep, outliers or {}
+    def __init__(self, source, keep: tuple[str, ...] | None = None):
+        self.source, self.keep = source, keep
         self._quantized = {name for name in source.keys() if is_quantized(name, source.shape(name), keep)}
-        unknown = sorted(set(self.outliers) - self._quantized)
-        if unknown:
-            raise ValueError(f"outlier channels given for tensors that are not quantized: {', '.join(unknown[:5])}")
         # derived name -> (its weight, what it is)
         self._derived = {name + SCALE_SUFFIX: (name, SCALE_SUFFIX) for name in self._quantized}
-        for name in self.outliers:
-            module = name.removesuffix("weight")
-            self._derived[module + OUTLIER_CHANNELS] = (name, OUTLIER_CHANNELS)
-            self._derived[module + OUTLIER_WEIGHT] = (name, OUTLIER_WEIGHT)
+        self._derived |= {name.removesuffix("weight") + SMOOTHING_SUFFIX: (name, SMOOTHING_SUFFIX) for name in self._quantized}
         self._last: tuple[str, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def keys(self) -> set[str]:
@@ -250,22 +219,27 @@ class QuantizingSource:
         if name not in self._derived:
             return self.source.shape(name)
         weight, kind = self._derived[name]
-        out_features, count = self.source.shape(weight)[0], len(self.outliers.get(weight, ()))
-        return {SCALE_SUFFIX: (out_features,), OUTLIER_CHANNELS: (count,), OUTLIER_WEIGHT: (out_features, count)}[kind]
+        out_features, in_features = self.source.shape(weight)
+        return (out_features,) if kind == SCALE_SUFFIX else (in_features,)
 
     def dtype(self, name: str) -> torch.dtype:
         if name in self._quantized:
             return INT8
-        if name not in self._derived:
-            return self.source.dtype(name)
-        return {SCALE_SUFFIX: SCALE_DTYPE, OUTLIER_CHANNELS: torch.long, OUTLIER_WEIGHT: OUTLIER_DTYPE}[self._derived[name][1]]
+        return SCALE_DTYPE if name in self._derived else self.source.dtype(name)
+
+    def input_smoothing(self, weight_name: str) -> torch.Tensor:
+        """`s` [I] of a quantized weight, from its norm in the source (`precision.smoothing_of`)."""
+        norm = smoothing_of(weight_name)
+        width = self.source.shape(weight_name)[1]
+        if norm is None or norm[0] not in self.source.keys():
+            return smoothing(None, width, offset=True)
+        return smoothing(self.source.get(norm[0]), width, offset=norm[1])
 
     def _pair(self, weight_name: str) -> tuple[torch.Tensor, torch.Tensor]:
         if self._last is None or self._last[0] != weight_name:
             weight = self.source.get(weight_name)
-            if weight_name in self.outliers:
-                weight = weight.float().index_fill(1, self.outliers[weight_name], 0.0)
-            self._last = (weight_name, quantize_per_channel(weight))
+            self._last = (weight_name, quantize_weight(weight, self.input_smoothing(weight_name)))
+            release_pages(weight)
         return self._last[1]
 
     def get(self, name: str) -> torch.Tensor:
@@ -274,12 +248,7 @@ class QuantizingSource:
         if name not in self._derived:
             return self.source.get(name)
         weight, kind = self._derived[name]
-        if kind == SCALE_SUFFIX:
-            return self._pair(weight)[1]
-        channels = self.outliers[weight]
-        if kind == OUTLIER_CHANNELS:
-            return channels.to(torch.long)
-        return self.source.get(weight).index_select(1, channels).to(OUTLIER_DTYPE)
+        return self._pair(weight)[1] if kind == SCALE_SUFFIX else self.input_smoothing(weight)
 
     def quantized_names(self) -> Iterator[str]:
         return iter(sorted(self._quantized))

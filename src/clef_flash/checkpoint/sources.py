@@ -91,11 +91,6 @@ class Checkpoint:
         return None if self.video_processor_config is None else VideoProcessorConfig.from_dict(self.video_processor_config)
 
     @property
-    def calibrated(self) -> bool:
-        """A bundle converted with calibration: its projections' outlier channels are kept apart."""
-        return bool(self.manifest and self.manifest.get("scheme", {}).get("outliers"))
-
-    @property
     def fingerprint(self) -> str:
         """SHA-256 of the canonical JSON of config.json."""
         return config_fingerprint(self.config)

@@ -11,22 +11,17 @@ that multiplies and in `levels`:
 
 Without VNNI, x86 int8 products multiply u8 by s8 and add adjacent pairs in int16 (`vpmaddubsw`), which
 saturates when both factors are near their limits (255 * 127 * 2 > 32767): a kernel that feeds it 8-bit
-activations returns wrong sums on such CPUs. So a kernel is never trusted by name: `exactness_error`
-runs it on an adversarial trial (activations and weights at their limits, and random ones) against exact
-integer products, and the machine's probe (machine.py) accepts only kernels whose error there is 0.
+activations and 8-bit weights returns wrong sums on such CPUs. So a kernel is never trusted by name:
+`exactness_error` runs it on an adversarial trial (activations and weights at their limits, and random ones)
+against exact integer products, and the machine's probe (machine.py) accepts only kernels whose error there is 0.
+(FBGEMM is also exact with 8-bit activations and weights within 7 bits, 255 * 63 * 2 < 32767; measured
+(benchmarks/int8_schemes.py), 7-bit weights lose more agreement than 7-bit activations, so it keeps the latter.)
 
 FBGEMM quantizes activations itself, per tensor, as u8 with a zero point (`reduce_range`: 0..127). Its
 rounding is made to be ours exactly: each row is scaled to integers in [-63, 63] first, and two extra
 columns (-64 and 63, against zero weight columns) pin the tensor's range, so FBGEMM's scale is 1 and its
 zero point 64; the per-token scales are applied to the output rows after (a linear map lets them factor out). The
 quantizers leave the two columns free after the integers (`W8A8Kernel.pad`), so the integers are written once.
-
-Two digits (`W8A8Kernel.two_digit_linear`): the projections whose inputs are heavy-tailed per token (the gated
-products, precision.W8A8_WEIGHT_ONLY) need more than 8 bits of activation. Each row is rounded to integers
-t in [-levels * base, levels * base] (base = 2 * levels: ~15 bits for 127 levels, ~13 for FBGEMM's 63) and
-written t = hi * base + lo with both digits within [-levels, levels]; the rows [hi; lo] go through the same
-int8 kernel as one product of twice the rows, and out = base * P_hi + P_lo. The weight stays the bundle's
-1-byte int8, packed once for the kernel; the sums are the kernel's exact integer sums.
 """
 
 from __future__ import annotations
@@ -44,47 +39,17 @@ from ..model.precision import FP32, INT8
 ONEDNN, INT_MM, FBGEMM = "onednn", "int_mm", "fbgemm"
 
 
-def _rows_and_scales(x2d: torch.Tensor, outliers: torch.Tensor | None, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, I] -> (x in fp32 with the `outliers` columns 0 (may be x itself), scale [M, 1] = row absmax / levels)."""
-    x32 = x2d.float()
-    if outliers is not None:
-        x32 = x32.index_fill(1, outliers, 0.0)
-    return x32, x32.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(FP32).tiny) / levels
-
-
-def quantize_per_token(
-    x2d: torch.Tensor, outliers: torch.Tensor | None = None, levels: int = 127, dtype: torch.dtype = INT8, pad: int = 0
-) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_per_token(x2d: torch.Tensor, levels: int = 127, dtype: torch.dtype = INT8, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, I] -> (integers in [-levels, levels] as `dtype` [M, I + pad], fp32 scale [M, 1]): absmax per row / levels;
-    the `outliers` columns read as 0 (they go through the dense side product); the `pad` last columns are left for
-    the kernel to fill (FBGEMM's pins), so that it need not copy the integers again."""
-    x32, scale = _rows_and_scales(x2d, outliers, levels)
+    the `pad` last columns are left for the kernel to fill (FBGEMM's pins), so that it need not copy the integers again."""
+    x32 = x2d.float()
+    scale = x32.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(FP32).tiny) / levels  # [M, 1]
     units = (x32 / scale).round_().clamp_(-levels, levels)  # [M, I]; not in place: x32 may be x itself
     if not pad:
         return units.to(dtype), scale
     integers = units.new_empty((units.shape[0], units.shape[1] + pad), dtype=dtype)  # [M, I + pad]
     integers[:, : units.shape[1]] = units
     return integers, scale
-
-
-def quantize_two_digits(
-    x2d: torch.Tensor, outliers: torch.Tensor | None = None, levels: int = 127, dtype: torch.dtype = INT8, pad: int = 0
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """x [M, I] -> (digits [2M, I + pad] as `dtype`: the rows [hi; lo], fp32 scale [M, 1], base) with
-    hi * base + lo = round(x / scale) (but for the odd tie, one unit off), |hi|, |lo| <= levels; the `outliers`
-    columns read as 0; the `pad` last columns as in `quantize_per_token`."""
-    base = 2 * levels
-    x32, scale = _rows_and_scales(x2d, outliers, levels * base)
-    rows = x32.shape[0]
-    # Few fresh [M, I] buffers (each is page faults and a pass) and in-place steps: this runs before every gated product.
-    units = x32 / (scale * base)  # [M, I] in [-levels, levels]: the integers round(x / scale), divided by base
-    hi = units.round()  # [M, I]
-    lo = units.sub_(hi).mul_(base).round_()  # (x / scale - hi * base) rounded: [M, I] in [-levels, levels]
-    inner = x32.shape[1]
-    digits = torch.empty(2 * rows, inner + pad, dtype=dtype, device=x32.device)  # [2M, I + pad]
-    digits[:rows, :inner].copy_(hi)
-    digits[rows:, :inner].copy_(lo)
-    return digits, scale, base
 
 
 # -- the kernels: (xq integers [M, I], packed weight, weight scale [O]) -> fp32 [M, O] ------------------------
@@ -149,24 +114,21 @@ class W8A8Kernel:
     multiply: Callable[[torch.Tensor, Any, torch.Tensor], torch.Tensor]
     pad: int = 0  # columns the quantizers leave after the integers, for `multiply` to fill
 
-    def linear(self, x2d: torch.Tensor, packed: Any, scale: torch.Tensor, outliers: torch.Tensor | None = None) -> torch.Tensor:
-        """x [M, I] -> fp32 [M, O] (without the outlier channels' dense product, which the caller adds)."""
-        xq, x_scale = quantize_per_token(x2d, outliers, self.levels, self.activation_dtype, self.pad)
-        return self.multiply(xq, packed, scale).mul_(x_scale)
+    @property
+    def activation_bits(self) -> int:
+        return self.levels.bit_length() + 1
 
-    def two_digit_linear(self, x2d: torch.Tensor, packed: Any, scale: torch.Tensor, outliers: torch.Tensor | None = None) -> torch.Tensor:
-        """As `linear`, with each activation in two int8 digits (~15 bits: see the module's docstring)."""
-        rows = x2d.shape[0]
-        digits, x_scale, base = quantize_two_digits(x2d, outliers, self.levels, self.activation_dtype, self.pad)
-        products = self.multiply(digits, packed, scale)  # [2M, O]: the hi rows, then the lo rows
-        return products[:rows].mul_(base).add_(products[rows:]).mul_(x_scale)
+    def linear(self, x2d: torch.Tensor, packed: Any, scale: torch.Tensor) -> torch.Tensor:
+        """x [M, I] -> fp32 [M, O]: x rounded per token to [-levels, levels], the integer product, both scales."""
+        xq, x_scale = quantize_per_token(x2d, self.levels, self.activation_dtype, self.pad)
+        return self.multiply(xq, packed, scale).mul_(x_scale)
 
 
 def _reference_multiply(xq: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (xq.double() @ q.double().t()).float().mul_(scale[None, :])  # float64 sums of int8 products are exact
 
 
-def reference_kernel(name: str, levels: int) -> W8A8Kernel:
+def reference_kernel(name: str, levels: int = 127) -> W8A8Kernel:
     """The slow, obviously-correct twin of a kernel: the same integers (`levels`), exact sums in float64, on any
     CPU. Never one of W8A8_KERNELS (the probe never times or chooses it); tests stand it in for a kernel of an
     imagined CPU that is not exact on the one they run on (exact kernels all give the same sums)."""
@@ -213,19 +175,3 @@ def exactness_error(kernel: W8A8Kernel) -> float:
         return float("inf")
     return (got.double() - exact).abs().max().item()
 
-
-# -- FBGEMM's fp16-packed dense linear: 2 bytes a weight, fp32 arithmetic (W8A8's weight-only projections) ----
-
-
-def fp16_packed_available() -> bool:
-    return _fbgemm_available() and hasattr(torch.ops.quantized, "linear_dynamic_fp16")
-
-
-def fp16_pack(weight: torch.Tensor) -> Any:
-    """fp32 [O, I] -> FBGEMM's packed fp16 weight (opaque); the fp32 input is not kept."""
-    return torch.ops.quantized.linear_prepack_fp16(weight, None)
-
-
-def fp16_packed_linear(x2d: torch.Tensor, packed: Any) -> torch.Tensor:
-    """x [M, I] (fp32) @ the packed weight.T -> fp32 [M, O]; the weights widen to fp32 inside the kernel."""
-    return torch.ops.quantized.linear_dynamic_fp16(x2d, packed)

@@ -1,8 +1,8 @@
 """The export twins filled from a checkpoint, one part at a time (what the exporter and the torch stand-in trace).
 
 A part holds only its own layers' tensors: the exporter streams the decoder part by part. From an 8-bit
-bundle the projections are dequantized (`q * scale`, exact in fp32) so that Core ML's per-channel quantizer
-finds the bundle's own int8 values and scales again; a calibrated bundle's outlier channels stay beside them.
+bundle the projections are brought back to their plain form, `W ~ dequantize(q, scale) R^T / s` (undoing the int8
+scheme's rotation and smoothing, checkpoint/quant.py), and Core ML's per-channel quantizer rounds that to 8 bits.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from torch import nn
 
 from ..checkpoint import Checkpoint
 from ..checkpoint.loading import fill_module, meta_modules
-from ..checkpoint.names import DECODER_PREFIX, outlier_counts
+from ..checkpoint.names import DECODER_PREFIX
 from ..checkpoint.quant import Int8Linear, dequantize, replace_linears
+from ..checkpoint.rotation import unrotate
 from ..model.config import TextConfig
 from ..model.export import ExportHead, ExportLinear, ExportPart
 from ..model.joint_head import HeadConfig, JointHead
@@ -40,7 +41,7 @@ def build_part(checkpoint: Checkpoint, config: TextConfig, layers: Sequence[int]
     tensors = checkpoint.tensors
     precision = PRECISIONS["int8-weight-only" if checkpoint.stored_int8 else "fp32"]
     if checkpoint.stored_int8:
-        replace_linears(part, WEIGHT_ONLY, outliers=outlier_counts(tensors))
+        replace_linears(part, WEIGHT_ONLY)
     fill_module(
         part,
         ((name, tensors.get(DECODER_PREFIX + name)) for name in part.state_dict()),
@@ -53,12 +54,12 @@ def build_part(checkpoint: Checkpoint, config: TextConfig, layers: Sequence[int]
 
 
 def _dense_linears(module: nn.Module) -> None:
-    """Each `Int8Linear` becomes an `ExportLinear` holding its dequantized weight (and outlier channels)."""
+    """Each `Int8Linear` becomes an `ExportLinear` holding its weight in the plain form, dequantized [O, I]."""
     for parent in list(module.modules()):
         for child_name, child in list(parent.named_children()):
             if isinstance(child, Int8Linear):
-                weight = dequantize(child.weight, child.weight_scale, EXPORT_DTYPE)
-                setattr(parent, child_name, ExportLinear(weight, child.outlier_channels, child.outlier_weight))
+                weight = unrotate(dequantize(child.weight, child.weight_scale)) / child.input_smoothing  # [O, I]
+                setattr(parent, child_name, ExportLinear(weight.to(EXPORT_DTYPE)))
 
 
 def build_head(checkpoint: Checkpoint) -> ExportHead:

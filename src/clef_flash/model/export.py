@@ -114,21 +114,15 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class ExportLinear(nn.Module):
-    """A bias-free linear for export: a dense `weight` [O, I] (an 8-bit bundle's, dequantized: Core ML's
-    quantizer then finds the same int8 values and scales), plus a calibrated bundle's outlier channels
-    kept apart in 16 bits (`outlier_channels` [n], `outlier_weight` [O, n]), as `Int8Linear` runs them."""
+    """A bias-free linear for export: a dense `weight` [O, I] (an 8-bit bundle's in its plain form: Core ML's
+    quantizer rounds it to 8 bits per channel)."""
 
-    def __init__(self, weight: Tensor, outlier_channels: Tensor | None = None, outlier_weight: Tensor | None = None):
+    def __init__(self, weight: Tensor):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
-        self.register_buffer("outlier_channels", outlier_channels)
-        self.outlier_weight = None if outlier_weight is None else nn.Parameter(outlier_weight, requires_grad=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        out = F.linear(x, _like(self.weight, x))
-        if self.outlier_channels is not None:
-            out = out + F.linear(x.index_select(-1, self.outlier_channels), _like(self.outlier_weight, x))
-        return out
+        return F.linear(x, _like(self.weight, x))
 
 
 def _gates(net: GatedDeltaNet, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:

@@ -8,7 +8,11 @@ numerical floor of the formulas (norms, RoPE and the delta rule in at least fp32
     name               compute dtype        decoder projections          everything else in the decoder
     fp32 / bf16 / fp64 that dtype           that dtype                   that dtype, A_log / dt_bias in >= fp32
     int8-weight-only   fp32 (CPU), bf16 (CUDA)  int8 + fp32 scale / channel  as above; embeddings as stored
-    int8-w8a8          fp32 (CPU), bf16 (CUDA)  int8, activations int8 per token
+    int8-w8a8          fp32 (CPU), bf16 (CUDA)  int8, activations int8 per token (7 bits on FBGEMM)
+
+Both int8 modes hold one scheme (checkpoint/quant.py): each projection's input divided by its norm's scale
+(`smoothing_of`) and rotated by a fixed randomized Hadamard transform (checkpoint/rotation.py), the weight
+likewise, so that no few channels set a token's int8 scale.
 
 Always: the joint head in fp32 (it is small and decides the answer), the output-embedding rows it reads
 as stored (gathered, never converted whole), the kept projections (`KEPT_HIGH_PRECISION`) never int8, and
@@ -34,31 +38,13 @@ INT8_MODES = (WEIGHT_ONLY, W8A8)
 DEFAULT_INT8_MODE = WEIGHT_ONLY
 SCALE_SUFFIX = "_scale"  # `x.weight` (int8) is stored beside `x.weight_scale` (fp32 [out])
 SCALE_DTYPE = FP32
-# Calibrated outlier channels of a projection (checkpoint/outliers.py): their indices [n] and the weight's
-# columns there [O, n], multiplied densely in fp32 beside the int8 product.
-OUTLIER_CHANNELS, OUTLIER_WEIGHT = "outlier_channels", "outlier_weight"
-OUTLIER_DTYPE = FP32
 # The DeltaNet gate projections are tiny (hidden -> value heads) and feed a sigmoid and a softplus
 # exponent: measured both ways (benchmarks/agreement.py), they stay 16-bit.
 KEPT_HIGH_PRECISION = ("in_proj_a.weight", "in_proj_b.weight")
 # The DeltaNet decay parameters are held in at least fp32, whatever the compute dtype (as transformers).
 HIGH_PRECISION_PARAMETERS = ("A_log", "dt_bias")
-# In W8A8, the projections that read a gated product (the MLP's down_proj, the DeltaNet's out_proj,
-# attention's o_proj) keep int8 weights but 16/32-bit activations: their inputs are heavy-tailed per
-# token, and per-token int8 there cost 1.5-2.5e-2 relative error each on the outlier release, 4 decisions
-# of 75 where weight-only there gives 1 (benchmarks/agreement.py). They are a quarter to a third of the FLOPs.
-W8A8_WEIGHT_ONLY = ("down_proj", "out_proj", "o_proj")
-# ... unless two int8 digits per activation (~15 bits, checkpoint/w8a8.py) run them faster than their 2-byte dense
-# form on this CPU: then they stay 1 byte a weight through the W8A8 kernel (`Plan.gated_mode`, `gated_mode_for`).
-TWO_DIGITS = "w8a8-two-digit"
-# ... or, where the CPU multiplies bf16 fast (AMX, AVX-512 BF16) and the 2-byte copies do not fit (compact): the int8
-# weight widened to bf16 on every forward into one scratch buffer per shape (exact: |q| <= 127 is a bf16), the product
-# in bf16, the per-channel scale applied to the output; 1 byte a weight. The widening is memory-bound: on E it cost
-# 22-28% over the bf16 product at 272-370 tokens (down_proj and out_proj shapes), where two digits cost 2x; +5% on
-# the 9B record (README).
-BF16_SCRATCH = "weight-only-bf16-scratch"
-SCRATCH_OVERHEAD = 1.3  # the widened product's time over the kept copy's, 272-370 tokens (E, measured)
-LINEAR_MODES = (*INT8_MODES, TWO_DIGITS, BF16_SCRATCH)  # what an Int8Linear runs in
+INT8_SCHEME_VERSION = 2  # 1: plain per-channel int8 (+ calibrated outlier channels); 2: smoothed and rotated
+SMOOTHING_SUFFIX = "input_smoothing"  # `x.input_smoothing` fp32 [I]: the scale `x`'s input was multiplied by
 HEAD_DTYPE = FP32
 BUNDLE_EMBEDDING_DTYPE = BF16  # input and output embeddings in an 8-bit bundle
 # Core ML export (clef_flash/coreml/): the twins are traced in fp32; Core ML computes the decoder parts in
@@ -83,16 +69,31 @@ def is_quantized(name: str, shape: tuple[int, ...], keep: tuple[str, ...] | None
     return leaf == "weight" and is_projection and len(shape) == 2 and not name.endswith(keep)
 
 
-def int8_mode_of(linear_name: str, mode: str, gated_mode: str = WEIGHT_ONLY, kernel: str | None = None) -> str:
-    """The mode one projection runs in under `mode`: W8A8 runs W8A8_WEIGHT_ONLY in `gated_mode` (weight-only,
-    or two int8 digits per activation); on a kernel with 7-bit activations (SEVEN_BIT_KERNELS), everything but
-    SEVEN_BIT_ONE_DIGIT in two digits."""
-    if mode != W8A8:
-        return mode
-    projection = linear_name.rpartition(".")[2]
-    if kernel in SEVEN_BIT_KERNELS:
-        return W8A8 if projection in SEVEN_BIT_ONE_DIGIT else TWO_DIGITS
-    return gated_mode if projection in W8A8_WEIGHT_ONLY else mode
+# Smoothing (the int8 scheme, checkpoint/quant.py): a projection that reads a norm's output takes its input divided by
+# s = |g| ** SMOOTHING_EXPONENT (g: that norm's per-channel scale) and its weight's columns multiplied by s
+# (x W^T = (x / s)(W diag(s))^T): half of the norm's large channels (activation outliers, mostly made there) moves to
+# the weight, from the weights alone, no calibration. Measured (benchmarks/agreement.py, 9b-heads-outliers): all of g
+# (exponent 1) flipped more decisions than none, half fewest. Projection -> (its norm's parameter relative to the
+# layer, whether the norm scales by 1 + w).
+SMOOTHING_EXPONENT = 0.5
+SMOOTHED_BY = {
+    "self_attn.q_proj": ("input_layernorm.weight", True),
+    "self_attn.k_proj": ("input_layernorm.weight", True),
+    "self_attn.v_proj": ("input_layernorm.weight", True),
+    "linear_attn.in_proj_qkv": ("input_layernorm.weight", True),
+    "linear_attn.in_proj_z": ("input_layernorm.weight", True),
+    "mlp.gate_proj": ("post_attention_layernorm.weight", True),
+    "mlp.up_proj": ("post_attention_layernorm.weight", True),
+}
+
+
+def smoothing_of(weight_name: str) -> tuple[str, bool] | None:
+    """A quantized projection's weight name (any prefix, `...layers.N.<projection>.weight`) -> (the name of the norm
+    weight its input is smoothed by, whether that norm scales by 1 + w); None: not smoothed (o_proj, down_proj)."""
+    layer, marker, rest = weight_name.rpartition("layers.")
+    index, _, projection = rest.partition(".")
+    entry = SMOOTHED_BY.get(projection.removesuffix(".weight")) if marker and index.isdigit() else None
+    return None if entry is None else (f"{layer}layers.{index}.{entry[0]}", entry[1])
 
 
 def is_scale(name: str) -> bool:
@@ -118,9 +119,6 @@ class Precision:
     compute_dtype: torch.dtype  # activations and 16/32-bit weights
     int8_mode: str | None = None  # None: no int8 weights
     reason: str = "asked for"
-    # W8A8 only: its gated-product projections (W8A8_WEIGHT_ONLY) stay at 1 byte, in two int8 digits per
-    # activation, even where a 2-byte dense copy is faster (the default takes this where the copies do not fit)
-    compact: bool = False
 
     @property
     def quantized(self) -> bool:
@@ -129,11 +127,9 @@ class Precision:
     def dtype_of(self, name: str, stored: torch.dtype) -> torch.dtype:
         """The dtype a decoder tensor (name relative to the decoder) is held in, given how it is stored."""
         leaf = name.rsplit(".", 1)[-1]
-        if stored == INT8 or leaf == OUTLIER_CHANNELS:
-            return stored  # int8 weights, int64 indices
-        if leaf == OUTLIER_WEIGHT:
-            return OUTLIER_DTYPE
-        if is_scale(leaf):
+        if stored == INT8:
+            return stored
+        if is_scale(leaf) or leaf == SMOOTHING_SUFFIX:
             return SCALE_DTYPE
         if leaf in HIGH_PRECISION_PARAMETERS:
             return compute_dtype(self.compute_dtype)
@@ -174,9 +170,7 @@ def storage_dtype_of(name: str, shape: tuple[int, ...], stored: torch.dtype, *, 
         return BUNDLE_EMBEDDING_DTYPE
     if is_quantized(name, shape):
         return INT8
-    if name.endswith(OUTLIER_WEIGHT):
-        return OUTLIER_DTYPE
-    return SCALE_DTYPE if is_scale(name) else stored
+    return SCALE_DTYPE if is_scale(name) or name.endswith(SMOOTHING_SUFFIX) else stored
 
 
 PRECISIONS: dict[str, Precision] = {
@@ -186,9 +180,6 @@ PRECISIONS: dict[str, Precision] = {
     **{f"int8-{mode}": Precision(f"int8-{mode}", FP32, mode) for mode in INT8_MODES},
 }
 ALIASES = {"int8": f"int8-{DEFAULT_INT8_MODE}"}
-# W8A8 at 1 byte a weight throughout, asked for: what the default takes where the 2-byte copies do not fit
-# (9B bundle: ~7.7 GB peak instead of ~9.6; on Zen 4 within 2% of the copies' time, on AMX (E) 5% slower)
-COMPACT_CHOICE = "int8-w8a8-compact"
 # The Core ML packages run as exported: 8-bit weights, fp16 compute (not a choice: never in PRECISION_CHOICES).
 COREML_PRECISION = Precision("coreml-int8-fp16", COREML_PART_DTYPE, WEIGHT_ONLY, reason="the Core ML packages: 8-bit weights, fp16 compute")
 # What `--precision` and `load(precision=...)` accept: the plain precisions, the aliases, the int8 modes.
@@ -196,14 +187,11 @@ PRECISION_CHOICES = (
     *(name for name, value in PRECISIONS.items() if not value.quantized),
     *ALIASES,
     *(name for name, value in PRECISIONS.items() if value.quantized),
-    COMPACT_CHOICE,
 )
 
 
 def parse_precision(text: str) -> Precision:
     """A precision by name (`PRECISION_CHOICES`); a clear error for any other."""
-    if text == COMPACT_CHOICE:
-        return dataclasses.replace(PRECISIONS["int8-w8a8"], compact=True)
     name = ALIASES.get(text, text)
     if name not in PRECISIONS:
         raise ValueError(f"unknown precision {text!r}: use one of {', '.join(PRECISION_CHOICES)}")
@@ -221,9 +209,8 @@ class Plan:
     precision: Precision
     device: torch.device
     kernel: str | None = None  # the W8A8 kernel (checkpoint/w8a8.py); None unless W8A8 on a CPU
-    dense_dtype: torch.dtype | None = None  # W8A8's weight-only projections; None: tile by tile per forward
     backend: str = TORCH
-    gated_mode: str = WEIGHT_ONLY  # how W8A8 runs W8A8_WEIGHT_ONLY: weight-only (dense_dtype), TWO_DIGITS or BF16_SCRATCH
+    activation_bits: int | None = None  # W8A8's activations on its kernel: 8, or 7 (FBGEMM); None unless W8A8 on a CPU
 
     @property
     def name(self) -> str:
@@ -244,7 +231,7 @@ class Plan:
     @property
     def key(self) -> str:
         return "|".join(
-            map(str, (self.backend, self.name, self.compute_dtype, self.int8_mode, self.kernel, self.gated_mode, self.dense_dtype, self.device))
+            map(str, (self.backend, self.name, self.compute_dtype, self.int8_mode, self.kernel, self.device))
         )
 
     def describe(self) -> dict[str, Any]:
@@ -255,21 +242,10 @@ class Plan:
             "compute_dtype": str(self.compute_dtype).removeprefix("torch."),
             "int8_mode": self.int8_mode,
             "kernel": self.kernel,
-            "gated_mode": self.gated_mode if self.int8_mode == W8A8 else None,
-            "one_digit": self.one_digit,
-            "dense_dtype": str(self.dense_dtype).removeprefix("torch.") if self.dense_dtype is not None else None,
+            "activation_bits": self.activation_bits,
             "device": str(self.device),
             "reason": self.reason,
         }
-
-    @property
-    def one_digit(self) -> str | None:
-        """Under W8A8, which projections take their activations in one int8 digit (`int8_mode_of`)."""
-        if self.int8_mode != W8A8:
-            return None
-        if self.kernel in SEVEN_BIT_KERNELS:
-            return ", ".join(SEVEN_BIT_ONE_DIGIT) + " (7-bit activations; the rest in two digits)"
-        return "all but " + ", ".join(W8A8_WEIGHT_ONLY)
 
     def with_reason(self, reason: str) -> Plan:
         return dataclasses.replace(self, precision=self.precision.with_reason(reason))
@@ -277,25 +253,15 @@ class Plan:
 
 # -- the default: the fastest qualified path on this machine -------------------------------------------
 
-# Qualified: agrees with fp32 at least as well as the reference's own bf16 path (no more decisions
-# differing, median |dp| at most 2x its) on the plain and the outlier-injected random releases
-# (benchmarks/agreement.py; README "Numbers"). Per-token W8A8 without calibrated outlier channels fails on outliers.
-# A release may also run int8 weight-only, quantized while loading: the same numbers as an uncalibrated bundle,
-# qualified as one; the default takes it only where a dense copy does not fit in memory (it is slower than fp32).
-QUALIFIED_RELEASE = ("fp32", "bf16", "int8-weight-only")
-QUALIFIED_BUNDLE = ("int8-weight-only",)
-QUALIFIED_CALIBRATED_BUNDLE = ("int8-w8a8", "int8-weight-only")
-# On a kernel that rounds activations to 7 bits (FBGEMM's, checkpoint/w8a8.py; the only exact one on AVX2-only CPUs),
-# W8A8 with 7-bit activations at every projection but the gated products did not qualify: 2 decisions differing
-# where the reference's bf16 had 1 (plain release), median |dp| 1.9x the reference's (outliers). Measured family by
-# family (benchmarks/agreement.py, two seeds; exact kernels, so the figures hold on every CPU), only the MLP's inputs
-# keep the bundle's int8 weight-only decisions in 7 bits: there W8A8 runs one 7-bit digit at SEVEN_BIT_ONE_DIGIT
-# and two (13 bits, ~weight-only's numbers) at every other projection; calibrated bundles only (without the outlier
-# channels the MLP's 7-bit inputs flip 5 decisions of 60 on the outlier release).
-SEVEN_BIT_KERNELS = ("fbgemm",)
-SEVEN_BIT_ONE_DIGIT = ("gate_proj", "up_proj")
-SEVEN_BIT_ONE_DIGIT_SHARE = 0.47  # of a 9B layer block's projection FLOPs, those of SEVEN_BIT_ONE_DIGIT
-W8A8_INT8_SHARE = 0.69  # of a 9B layer block's projection FLOPs, those W8A8 runs in int8 (the rest: W8A8_WEIGHT_ONLY)
+# Qualified: agrees with fp32 at least as well as the reference's own bf16 path on the plain and the outlier-injected
+# random releases, two seeds each (no more decisions differing, median |dp| at most 1.5x its; benchmarks/agreement.py
+# and int8_schemes.py; README "Numbers"). Exact kernels: the figures hold on any CPU. The smoothed and rotated int8
+# scheme (checkpoint/quant.py) qualifies without calibration in weight-only and in W8A8 with 8-bit activations: one
+# int8 product per projection, 1 byte a weight. With 7-bit integers on either side (FBGEMM, the only exact kernel of
+# AVX2-only CPUs) it did not (4 to 8 decisions differing where the reference's bf16 had 2, median |dp| 2-3x): there
+# W8A8 runs only when asked for. A release quantizes while loading.
+QUALIFIED = ("fp32", "bf16", "int8-w8a8", "int8-weight-only")
+QUALIFIED_W8A8_BITS = 8  # the activation bits W8A8 qualified at
 WEIGHT_ONLY_OVERHEAD = 1.15  # dequantizing tiles costs ~15% over the fp32 product it feeds (measured)
 ENVIRONMENT = "CLEF_FLASH_PRECISION"
 
@@ -305,88 +271,21 @@ class Rates(Protocol):
 
     fp32: float
     bf16: float
-    int8: float
-    int8_kernel: str | None  # W8A8's kernel: the fastest exact one with 8-bit activations, else the fastest exact
-    # one (SEVEN_BIT_KERNELS: W8A8 then runs most projections in two digits, `int8_mode_of`); None: none is exact here
+    int8: float  # W8A8 as a projection runs it (smoothing, rotation and activation quantization included)
+    int8_kernel: str | None  # W8A8's kernel: the fastest exact one with 8-bit activations, else the fastest exact one
+    int8_bits: int  # its activation bits (7 on FBGEMM; 0: no kernel is exact here)
     excluded: dict[str, str]
-    fp16_packed: float  # FBGEMM's fp16-packed linear (fp32 arithmetic, 2 bytes a weight); 0.0: not in this build
-    two_digit: float  # the fastest exact kernel with two int8 digits per activation (effective rate); 0.0: none
 
 
-# W8A8's weight-only projections (W8A8_WEIGHT_ONLY) hold their weight once in a 2-byte form: bf16 where the
-# CPU multiplies bf16 fast (AMX, AVX-512 BF16); elsewhere FBGEMM's fp16-packed weights with fp32 arithmetic
-# (PACKED_FP16: fp16 is only the storage, never the arithmetic); without FBGEMM, int8 dequantized tile by tile.
-PACKED_FP16 = FP16
-
-
-def dense_dtype_for(rates: Rates) -> torch.dtype | None:
-    """The form of W8A8's weight-only projections on this CPU (see PACKED_FP16); never an fp32 copy."""
-    if rates.bf16 > 2 * rates.fp32:
-        return BF16
-    return PACKED_FP16 if rates.fp16_packed > 0 else None
-
-
-def dense_gated_rate(rates: Rates) -> float:
-    """The probe's rate of W8A8's gated products in their weight-only form (`dense_dtype_for`)."""
-    dense = dense_dtype_for(rates)
-    return rates.bf16 if dense == BF16 else rates.fp16_packed if dense == PACKED_FP16 else weight_only_rate(rates)
-
-
-def gated_mode_for(rates: Rates, *, compact: bool = False) -> str:
-    """How W8A8 runs its gated products here. Where bf16 is fast (AMX, AVX-512 BF16): a kept bf16 copy, or when
-    `compact` the int8 weight widened to bf16 per forward (BF16_SCRATCH); int8 runs at most twice bf16's peak there,
-    so two int8 products are one of bf16 at best (on E the 9B record took 14-23% longer in two digits). Elsewhere:
-    two int8 digits (1 byte a weight) where `compact`, or where their 2-byte form computes in fp32 (fp16-packed,
-    tiles) and the probe measured two digits at least as fast; else weight-only."""
-    if rates.two_digit > 0 and rates.int8_kernel in SEVEN_BIT_KERNELS:  # (a 7-bit kernel: `int8_mode_of`)
-        return TWO_DIGITS
-    if dense_dtype_for(rates) == BF16:
-        return BF16_SCRATCH if compact else WEIGHT_ONLY
-    if rates.two_digit <= 0:
-        return WEIGHT_ONLY
-    if compact:
-        return TWO_DIGITS
-    return TWO_DIGITS if rates.two_digit >= dense_gated_rate(rates) else WEIGHT_ONLY
-
-
-def gated_rate(rates: Rates, *, compact: bool = False) -> float:
-    """The probe's rate of W8A8's gated products in the form `gated_mode_for` gives them."""
-    mode = gated_mode_for(rates, compact=compact)
-    if mode == TWO_DIGITS:
-        return rates.two_digit
-    if mode == BF16_SCRATCH:
-        return rates.bf16 / SCRATCH_OVERHEAD
-    return weight_only_rate(rates) if compact else dense_gated_rate(rates)  # compact: dequantized tile by tile
-
-
-# Bytes a decoder parameter takes in memory, by precision (int8: the weight and its scales; W8A8: its
-# weight-only share held in a 2-byte form, unless `gated_mode_for` runs it in two digits; compact W8A8
-# (Precision.compact): 1 byte throughout). What the default checks against the machine's memory.
-COMPACT_W8A8 = "int8-w8a8 compact"  # a candidate of the default, run as int8-w8a8 with compact=True
-BYTES_PER_PARAMETER = {"fp64": 8.0, "fp32": 4.0, "bf16": 2.0, "int8-weight-only": 1.0, "int8-w8a8": 1.35, COMPACT_W8A8: 1.0}
+# Bytes a decoder parameter takes in memory, by precision (int8: the weight and its scales). What the default
+# checks against the machine's memory.
+BYTES_PER_PARAMETER = {"fp64": 8.0, "fp32": 4.0, "bf16": 2.0, "int8-weight-only": 1.0, "int8-w8a8": 1.0}
 MEMORY_SHARE = 0.8  # of the memory available when loading, what the model's weights may take
 
 
 def weight_only_rate(measured: Rates) -> float:
     """int8 weight-only's rate: the fp32 product, plus dequantizing its tiles."""
     return measured.fp32 / WEIGHT_ONLY_OVERHEAD
-
-
-def w8a8_rate(measured: Rates, *, compact: bool = False) -> float:
-    """W8A8's rate: the int8 kernel for the int8 share of the FLOPs, the gated products' form
-    (`gated_mode_for`) for W8A8_WEIGHT_ONLY; 0 where no kernel is exact."""
-    if measured.int8_kernel is None or measured.int8 <= 0:
-        return 0.0
-    if measured.int8_kernel in SEVEN_BIT_KERNELS:  # one 7-bit digit at SEVEN_BIT_ONE_DIGIT, two elsewhere
-        if measured.two_digit <= 0:
-            return 0.0
-        return 1 / (SEVEN_BIT_ONE_DIGIT_SHARE / measured.int8 + (1 - SEVEN_BIT_ONE_DIGIT_SHARE) / measured.two_digit)
-    return 1 / (W8A8_INT8_SHARE / measured.int8 + (1 - W8A8_INT8_SHARE) / gated_rate(measured, compact=compact))
-
-
-def w8a8_bytes(measured: Rates) -> float:
-    """Bytes a parameter takes under the default's W8A8: 1 where its gated products run in two digits."""
-    return BYTES_PER_PARAMETER[COMPACT_W8A8 if gated_mode_for(measured) == TWO_DIGITS else "int8-w8a8"]
 
 
 def w8a8_kernel(measured: Rates) -> str:
@@ -397,17 +296,14 @@ def w8a8_kernel(measured: Rates) -> str:
     return measured.int8_kernel
 
 
-def qualified(*, stored_int8: bool, calibrated: bool) -> tuple[str, ...]:
-    if not stored_int8:
-        return QUALIFIED_RELEASE
-    return QUALIFIED_CALIBRATED_BUNDLE if calibrated else QUALIFIED_BUNDLE
+def qualified(*, stored_int8: bool) -> tuple[str, ...]:
+    return tuple(name for name in QUALIFIED if PRECISIONS[name].quantized or not stored_int8)
 
 
 def choose_precision(
     device: torch.device,
     *,
     stored_int8: bool,
-    calibrated: bool,
     rates: Callable[[], Rates],
     parameters: int | None = None,
     memory_bytes: int | None = None,
@@ -415,32 +311,17 @@ def choose_precision(
     """The fastest qualified precision that fits: on CUDA bf16 (or an 8-bit bundle's weight-only); on a CPU
     by the probe, among those whose weights (`parameters` x BYTES_PER_PARAMETER) fit in MEMORY_SHARE of
     `memory_bytes` (None: no bound). Nothing fitting is a one-line error with the sizes."""
-    candidates = qualified(stored_int8=stored_int8, calibrated=calibrated)
+    candidates = qualified(stored_int8=stored_int8)
     if device.type != "cpu":
         name = "bf16" if not stored_int8 else "int8-weight-only"
         return PRECISIONS[name].with_reason(f"on {device.type}: {name} until an 8-bit path qualifies there")
     measured = rates()
-    seven_bit = measured.int8_kernel in SEVEN_BIT_KERNELS
-    if seven_bit and measured.two_digit <= 0:  # 7-bit activations throughout: not qualified
+    if measured.int8_kernel is None or measured.int8 <= 0 or measured.int8_bits != QUALIFIED_W8A8_BITS:
         candidates = tuple(name for name in candidates if name != "int8-w8a8")
-    if "int8-w8a8" in candidates and gated_mode_for(measured) != TWO_DIGITS:
-        # its 1-byte form (gated products in two digits), right after it: chosen when the 2-byte copies do not fit
-        at = candidates.index("int8-w8a8") + 1
-        candidates = (*candidates[:at], COMPACT_W8A8, *candidates[at:])
-    rate = {
-        "fp32": measured.fp32,
-        "bf16": measured.bf16,
-        # int8 for the int8 share of the FLOPs, the dense product (bf16 or fp32) for W8A8_WEIGHT_ONLY
-        "int8-w8a8": w8a8_rate(measured),
-        COMPACT_W8A8: w8a8_rate(measured, compact=True),
-        "int8-weight-only": weight_only_rate(measured),
-    }
-    bytes_per_parameter = {**BYTES_PER_PARAMETER, "int8-w8a8": w8a8_bytes(measured)}
-    needs = {name: (parameters or 0) * bytes_per_parameter[name] for name in candidates}
+    rate = {"fp32": measured.fp32, "bf16": measured.bf16, "int8-w8a8": measured.int8, "int8-weight-only": weight_only_rate(measured)}
+    needs = {name: (parameters or 0) * BYTES_PER_PARAMETER[name] for name in candidates}
     room = None if memory_bytes is None or not parameters else MEMORY_SHARE * memory_bytes
     fitting_ones = [name for name in candidates if room is None or needs[name] <= room]
-    if "int8-w8a8" in fitting_ones and COMPACT_W8A8 in fitting_ones:  # compact only where the copies do not fit
-        fitting_ones.remove(COMPACT_W8A8)
     if not fitting_ones:
         sizes = ", ".join(f"{name} {needs[name] / 2**30:.1f} GiB" for name in candidates)
         raise ValueError(
@@ -448,33 +329,22 @@ def choose_precision(
             f"({MEMORY_SHARE:.0%} of {memory_bytes / 2**30:.1f} GiB available); free memory, or use a machine with more"
         )
     best = max(fitting_ones, key=lambda name: (rate[name], -candidates.index(name)))
-    shown = [name for name in candidates if name != COMPACT_W8A8 or best == COMPACT_W8A8]  # the 1-byte form when it counts
-    figures = ", ".join(f"{name} {rate[name]:.0f}" for name in shown)
-    kernel = f" ({measured.int8_kernel})" if best in ("int8-w8a8", COMPACT_W8A8) else ""
+    figures = ", ".join(f"{name} {rate[name]:.0f}" for name in candidates)
+    kernel = f" ({measured.int8_kernel})" if best == "int8-w8a8" else ""
     reason = f"fastest qualified on this CPU{kernel}; probe G(FL)OP/s: {figures}"
-    if seven_bit and "int8-w8a8" not in candidates and stored_int8 and calibrated:
-        reason += f"; int8-w8a8 left out: its kernel here ({measured.int8_kernel}) rounds activations to 7 bits and has no two-digit rate"
-    left_out = [name for name in shown if name not in fitting_ones]
+    if "int8-w8a8" not in candidates and measured.int8_kernel is None:
+        reason += "; int8-w8a8 left out: no exact W8A8 kernel here"
+    elif "int8-w8a8" not in candidates:
+        reason += (
+            f"; int8-w8a8 left out: its exact kernel here ({measured.int8_kernel}) takes {measured.int8_bits}-bit activations, "
+            f"which did not qualify ({measured.int8:.0f} G(OP)/s; ask for it with precision int8-w8a8)"
+        )
+    left_out = [name for name in candidates if name not in fitting_ones]
     if left_out:
         reason += "; too big for memory: " + ", ".join(f"{name} {needs[name] / 2**30:.1f} GiB" for name in left_out)
         reason += f" of {room / 2**30:.1f} GiB usable"
-    if best == "int8-w8a8" and seven_bit:
-        reason += (
-            f"; 7-bit activations: one int8 digit at {', '.join(SEVEN_BIT_ONE_DIGIT)} ({measured.int8:.0f}), two at every other "
-            f"projection ({measured.two_digit:.0f}): 1 byte a weight"
-        )
-    elif best == "int8-w8a8" and gated_mode_for(measured) == TWO_DIGITS:
-        reason += (
-            f"; its gated products in two int8 digits ({measured.two_digit:.0f}, against {dense_gated_rate(measured):.0f} "
-            "for a 2-byte copy): 1 byte a weight"
-        )
-    if best == COMPACT_W8A8:
-        form = {
-            TWO_DIGITS: "in two int8 digits per activation",
-            BF16_SCRATCH: "widened to bf16 per forward",
-        }.get(gated_mode_for(measured, compact=True), "dequantized tile by tile")
-        reason += f"; compact: W8A8's gated products stay 1 byte, {form}"
-        return dataclasses.replace(PRECISIONS["int8-w8a8"], compact=True, reason=reason)
+    if PRECISIONS[best].quantized and not stored_int8:
+        reason += "; quantized while loading (`clef-flash convert` writes it once, to load in seconds)"
     return PRECISIONS[best].with_reason(reason)
 
 
@@ -483,7 +353,6 @@ def resolve_precision(
     device: torch.device,
     *,
     stored_int8: bool,
-    calibrated: bool = False,
     rates: Callable[[], Rates] | None = None,
     parameters: int | None = None,
     memory_bytes: int | None = None,
@@ -496,7 +365,7 @@ def resolve_precision(
         if rates is None:
             raise ValueError("choosing a precision needs the machine's rates")
         precision = choose_precision(
-            device, stored_int8=stored_int8, calibrated=calibrated, rates=rates, parameters=parameters, memory_bytes=memory_bytes
+            device, stored_int8=stored_int8, rates=rates, parameters=parameters, memory_bytes=memory_bytes
         )
     else:
         precision = parse_precision(requested)

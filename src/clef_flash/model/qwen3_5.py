@@ -615,8 +615,7 @@ class Qwen35Decoder(nn.Module):
         positions: torch.Tensor | None = None,
     ) -> LayerInputs:
         """What every layer of a step reads, as `forward` prepares it (`past`: the tokens each row has seen
-        before, None: none): the embeddings, cos/sin, the rows, the real positions. Calibration
-        (conversion.py) runs the layers one at a time on these."""
+        before, None: none): the embeddings, cos/sin, the rows, the real positions."""
         B, L = input_ids.shape
         new = (L,) * B if lengths is None else tuple(int(length) for length in lengths)
         rows = Rows(past=(0,) * B if past is None else tuple(past), new=new, width=L, reserve=reserve)
