@@ -242,3 +242,24 @@ def test_packing_a_weight_hands_the_heaps_free_pages_back(monkeypatch):
         linear(torch.randn(3, 16))
         assert len(calls) == expected, kernel
         assert (linear.packed is linear.weight) == (kernel == "int_mm")
+
+
+def test_projections_that_read_one_input_rotate_it_once(monkeypatch):
+    """q/k/v (or gate/up) read one input with one smoothing: it is rotated once; an input changed in place, or another
+    smoothing, is rotated again."""
+    calls = []
+    rotate_once = quant.rotate
+    monkeypatch.setattr(quant, "rotate", lambda *args, **kwargs: calls.append(1) or rotate_once(*args, **kwargs))
+    generator = torch.Generator().manual_seed(6)
+    s = smoothing(torch.rand(16, generator=generator), 16, offset=True)
+    first, second = (_filled(WeightOnlyLinear(16, 8), torch.randn(8, 16, generator=generator), s.clone()) for _ in range(2))
+    other = _filled(WeightOnlyLinear(16, 8), torch.randn(8, 16, generator=generator), s * 2)
+    x = torch.randn(3, 16, generator=generator)
+    calls.clear()  # (quantizing the weights rotated them)
+    first(x), second(x)
+    assert len(calls) == 1
+    x.mul_(2.0)
+    torch.testing.assert_close(second(x), rotate_once(x / s) @ dequantize(second.weight, second.weight_scale).t())
+    assert len(calls) == 2
+    other(x)
+    assert len(calls) == 3

@@ -25,6 +25,7 @@ a release as int8 and converting it to a bundle are the same code path.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Iterator
 
 import torch
@@ -100,6 +101,13 @@ def weight_only_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) ->
     return out.view(*x.shape[:-1], q.shape[0])
 
 
+_last_rotation = threading.local()  # .entry: (input, its version, smoothing, (input / smoothing) R)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a is b or (a.shape == b.shape and torch.equal(a, b))
+
+
 class Int8Linear(nn.Module):
     """A bias-free linear in the int8 scheme, a drop-in for `nn.Linear`: `weight` int8 [O, I] (of `(W diag(s)) R`),
     `weight_scale` fp32 [O], `input_smoothing` fp32 [I] (`s`). Subclasses say how the product is computed."""
@@ -114,8 +122,15 @@ class Int8Linear(nn.Module):
         self.register_buffer(SMOOTHING_SUFFIX, torch.empty(in_features, dtype=SCALE_DTYPE))
 
     def inputs(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., I] -> (x / s) R as fp32 [M, I]: what the int8 weight multiplies."""
-        return rotate(x.reshape(-1, self.in_features).float() / self.input_smoothing)
+        """x [..., I] -> (x / s) R as fp32 [M, I]: what the int8 weight multiplies. The projections that read one
+        input with one smoothing (q, k, v; in_proj_qkv, in_proj_z; gate, up) rotate it once: the last rotation is
+        kept (per thread) with the very tensor it came from and that tensor's version."""
+        last = getattr(_last_rotation, "entry", None)
+        if last is not None and last[0] is x and last[1] == x._version and _same(last[2], self.input_smoothing):
+            return last[3]
+        rotated = rotate(x.reshape(-1, self.in_features), column_scale=1.0 / self.input_smoothing)  # [M, I] fp32
+        _last_rotation.entry = (x, x._version, self.input_smoothing, rotated)
+        return rotated
 
     def shaped(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """out [M, O] -> [..., O] in x's dtype."""

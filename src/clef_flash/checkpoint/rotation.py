@@ -80,9 +80,12 @@ def _block_hadamard(x: torch.Tensor) -> torch.Tensor:
     return (h1 @ blocks @ h2).reshape(x.shape)  # [..., n]
 
 
-def rotate(x: torch.Tensor) -> torch.Tensor:
-    """x [..., n] (any float dtype) -> x R = (x D) H in fp32 (R orthogonal: D the signs, H `_block_hadamard`'s)."""
-    return _block_hadamard(x.float() * signs(x.shape[-1]).to(x.device))
+def rotate(x: torch.Tensor, column_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., n] (any float dtype) -> x R = (x D) H in fp32 (R orthogonal: D the signs, H `_block_hadamard`'s);
+    with `column_scale` [n], (x diag(column_scale)) R, the scaling folded into the signs' pass."""
+    n = x.shape[-1]
+    factors = signs(n).to(x.device) if column_scale is None else signs(n).to(x.device) * column_scale  # [n]
+    return _block_hadamard(x.float() * factors)
 
 
 def unrotate(y: torch.Tensor) -> torch.Tensor:
