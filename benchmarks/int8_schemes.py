@@ -27,10 +27,15 @@ import clef_flash
 from clef_flash.checkpoint.rotation import rotate
 from clef_flash.model.precision import SMOOTHED_BY, is_quantized
 
+ONLY = None  # a set of candidate names to run (all: None); `--only NAME` on the command line
 LLAMA_CPP_Q4_0 = 84.1  # tok/s, Zen 3, the same day as the figures below (issue 40)
-AVX2_TOKENS_PER_S = {"one FBGEMM product": 122.5, "ONNX Runtime u8/u8": 80.3, "weight-only": 78.6}
+AVX2_TOKENS_PER_S = {"one FBGEMM product": 122.5, "ONNX Runtime u8/u8": 80.3, "weight-only": 78.6, "mixed digits": 81.4}
 
-# name -> (activation levels or None, weight levels, rotated, smoothing exponent or None), and how it runs on AVX2
+SEVEN_BIT_MIXED = {"mlp.gate_proj": 63, "mlp.up_proj": 63}  # one 7-bit digit there, two (63 * 126 levels) elsewhere
+TWO_DIGIT_LEVELS = 63 * 126
+
+# name -> (activation levels (a dict: by projection, the rest TWO_DIGIT_LEVELS) or None, weight levels, rotated,
+# smoothing exponent or None), and how it runs on AVX2
 CANDIDATES = {
     "a8w8 plain (per-token, no rotation)": ((127, 127, False, None), "ONNX Runtime u8/u8"),
     "a7w8 plain": ((63, 127, False, None), "one FBGEMM product"),
@@ -41,6 +46,7 @@ CANDIDATES = {
     "a8w7 rotated": ((127, 63, True, None), "one FBGEMM product"),
     "a8w7 rotated, smoothed 0.5": ((127, 63, True, 0.5), "one FBGEMM product"),
     "weight-only rotated, smoothed 0.5": ((None, 127, True, 0.5), "weight-only"),
+    "a7w8 at gate/up, two 7-bit digits elsewhere, rotated, smoothed 0.5": ((SEVEN_BIT_MIXED, 127, True, 0.5), "mixed digits"),
 }
 
 
@@ -84,7 +90,8 @@ def load_emulated(root, levels, weight_levels, rotated, exponent) -> clef_flash.
                 g = layer.get_parameter(norm).detach().float() + (1.0 if offset else 0.0)
                 s = g.abs().pow(exponent).clamp_min(1e-6)
             parent, _, child = name.rpartition(".")
-            setattr(layer.get_submodule(parent), child, EmulatedLinear(linear.weight.detach(), s, levels, weight_levels, rotated))
+            own_levels = levels.get(name, TWO_DIGIT_LEVELS) if isinstance(levels, dict) else levels
+            setattr(layer.get_submodule(parent), child, EmulatedLinear(linear.weight.detach(), s, own_levels, weight_levels, rotated))
     return model
 
 
@@ -94,7 +101,8 @@ def candidates(root, bundle, module) -> dict:
         "int8 weight-only (the scheme, release)": clef_flash.load(root, device="cpu", precision="int8-weight-only").logits,
     }
     for name, ((levels, weight_levels, rotated, exponent), _) in CANDIDATES.items():
-        rows[name] = load_emulated(root, levels, weight_levels, rotated, exponent).logits
+        if ONLY is None or name in ONLY:
+            rows[name] = load_emulated(root, levels, weight_levels, rotated, exponent).logits
     return rows
 
 
@@ -106,5 +114,11 @@ def print_speed() -> None:
 
 
 if __name__ == "__main__":
+    import sys
+
+    if "--only" in sys.argv:  # (taken out before agreement.run parses the rest)
+        at = sys.argv.index("--only")
+        ONLY = set(sys.argv[at + 1].split(";"))
+        del sys.argv[at : at + 2]
     print_speed()
     agreement.run(candidates, __doc__)

@@ -11,7 +11,7 @@ import torch
 import clef_flash
 import clef_flash.plan
 from clef_flash import machine
-from clef_flash.checkpoint.quant import Int8Linear, W8A8Linear, WeightOnlyLinear, quantize_per_channel
+from clef_flash.checkpoint.quant import Int8Linear, TwoDigitLinear, W8A8Linear, WeightOnlyLinear, quantize_per_channel
 from clef_flash.checkpoint.random_release import write_random_release
 from clef_flash.checkpoint.w8a8 import W8A8_KERNELS, exactness_error, quantize_per_token
 from clef_flash.cli import main
@@ -33,7 +33,7 @@ GIB = 1 << 30
     [
         ("amx", "int8-w8a8", "int8-w8a8"),  # oneDNN's int8 (3000) over bf16 (1900)
         ("vnni", "int8-w8a8", "int8-w8a8"),
-        ("avx2", "fp32", "int8-weight-only"),  # FBGEMM's 7-bit activations do not qualify (benchmarks/int8_schemes.py)
+        ("avx2", "int8-w8a8", "int8-w8a8"),  # FBGEMM: one 7-bit digit at the MLP's inputs, two elsewhere (183 > fp32's 123)
         ("none", "fp32", "int8-weight-only"),  # no exact W8A8 kernel
     ],
 )
@@ -46,7 +46,7 @@ def test_the_default_is_the_fastest_qualified_path_on_every_family(family, relea
         assert "fastest qualified" in chosen.reason
         assert ("quantized while loading" in chosen.reason) == (chosen.quantized and not stored_int8)
         assert ("left out: no exact W8A8 kernel" in chosen.reason) == (family == "none")
-        assert ("(fbgemm) takes 7-bit activations, which did not qualify" in chosen.reason) == (family == "avx2")
+        assert ("7-bit activations: one int8 digit at gate_proj, up_proj, two at every other" in chosen.reason) == (family == "avx2")
     assert qualified(stored_int8=False) == QUALIFIED and qualified(stored_int8=True) == ("int8-w8a8", "int8-weight-only")
 
 
@@ -103,7 +103,7 @@ def test_info_command(capsys):
 
 def test_info_says_which_kernels_the_default_passes_over():
     assert machine.kernel_note("onednn", 0.096, fp32=180) == "0.096 GOP/s, a reference loop here: used only when forced"
-    assert machine.kernel_note("fbgemm", 716.2, fp32=180) == "716 GOP/s, 7-bit activations: never the default"
+    assert machine.kernel_note("fbgemm", 716.2, fp32=180) == "716 GOP/s, 7-bit activations (two digits outside the MLP's inputs)"
     assert machine.kernel_note("int_mm", 632.4, fp32=180) == "632 GOP/s"
 
 
@@ -161,21 +161,24 @@ def test_a_w8a8_kernel_runs_only_where_it_is_exact(name):
         assert error < 1e-6, (rows, error)  # the same int32 sums, scaled in another order
 
 
-@pytest.mark.parametrize(("family", "precision"), [("amx", None), ("vnni", None), ("avx2", "int8-w8a8")])
-def test_each_familys_w8a8_runs_one_int8_product_per_projection(tiny_dir, monkeypatch, family, precision):
-    """On each family with an exact kernel, W8A8 (a release's default where its kernel takes 8-bit activations; asked
-    for on FBGEMM's 7-bit one) runs every projection in one int8 product on that kernel, 1 byte a weight, packed by
-    `load`; its decisions are those of the fp32 model."""
+@pytest.mark.parametrize("family", ["amx", "vnni", "avx2"])
+def test_each_familys_default_runs_w8a8_on_its_kernel(tiny_dir, monkeypatch, family):
+    """On each family with a fast exact kernel, a release's default is W8A8 on that kernel, 1 byte a weight, packed by
+    `load`: one int8 product per projection with 8-bit activations; with FBGEMM's 7 bits, one digit at the MLP's
+    inputs and two elsewhere. Its decisions are those of the fp32 model."""
     monkeypatch.delenv("CLEF_FLASH_PRECISION", raising=False)
-    rates = imagine(monkeypatch, family)
-    model = clef_flash.load(tiny_dir, device="cpu", precision=precision)
+    rates = imagine(monkeypatch, family, int8_bits=7 if family == "avx2" else 8)
+    model = clef_flash.load(tiny_dir, device="cpu")
     plan = model.plan.describe()
     assert model.precision == "int8-w8a8" and plan["kernel"] == rates.int8_kernel
     assert plan["activation_bits"] == (7 if family == "avx2" else 8)
-    linears = [module for module in model.parts.decoder.modules() if isinstance(module, Int8Linear)]
-    assert linears and all(isinstance(linear, W8A8Linear) and linear.kernel.name == rates.int8_kernel for linear in linears)
-    assert all(linear.packed is not None for linear in linears)  # packed while loading: the first answer is a warm one
-    assert all(linear.weight.dtype == torch.int8 for linear in linears)
+    linears = {name: module for name, module in model.parts.decoder.named_modules() if isinstance(module, Int8Linear)}
+    assert linears and all(isinstance(linear, W8A8Linear) and linear.kernel.name == rates.int8_kernel for linear in linears.values())
+    two_digits = {name for name, linear in linears.items() if isinstance(linear, TwoDigitLinear)}
+    expected = {name for name in linears if not name.endswith(("gate_proj", "up_proj"))} if family == "avx2" else set()
+    assert two_digits == expected
+    assert all(linear.packed is not None for linear in linears.values())  # packed while loading: the first answer is a warm one
+    assert all(linear.weight.dtype == torch.int8 for linear in linears.values())
     monkeypatch.undo()
     fp32 = clef_flash.load(tiny_dir, device="cpu", precision="fp32")
     worst = 0.0
@@ -240,8 +243,8 @@ def test_w8a8_stays_close_on_the_outlier_release_without_calibration(outlier_rel
 @pytest.mark.parametrize(
     ("family", "memory_gib", "expected", "left_out"),
     [
-        ("avx2", 23, "int8-weight-only", ["fp32 33.3"]),  # bf16 fits but is slower than int8 weight-only there
-        ("vnni", 23, "int8-w8a8", ["fp32 33.3"]),
+        ("avx2", 23, "int8-w8a8", ["fp32 33.3"]),
+        ("none", 23, "int8-weight-only", ["fp32 33.3"]),  # bf16 fits but is slower than int8 weight-only there
         ("amx", 12, "int8-w8a8", ["fp32 33.3", "bf16 16.7"]),
         ("none", 64, "fp32", []),
     ],

@@ -30,11 +30,12 @@ from .checkpoint.quant import quantize_per_channel
 from .checkpoint.rotation import rotate
 from .checkpoint.w8a8 import W8A8_KERNELS, exactness_error
 from .checkpoint.vocab import cache_dir
-from .model.precision import BF16
+from .model.precision import BF16, SEVEN_BIT_ONE_DIGIT_SHARE
 
-PROBE_VERSION = 6  # 2: kernels qualified on exactness first; the rates of every kernel, the excluded ones; 3: fp16_packed; 4: two_digit;
+PROBE_VERSION = 8  # 2: kernels qualified on exactness first; the rates of every kernel, the excluded ones; 3: fp16_packed; 4: two_digit;
 # 5: W8A8's kernel is the fastest exact one with 8-bit activations before any with 7; 6: the rotated scheme's W8A8
-# (smoothing and rotation timed with the kernel), int8_bits; no fp16_packed, two_digit
+# (smoothing and rotation timed with the kernel); no fp16_packed, two_digit; 7: int8_bits; 8: a 7-bit kernel's int8 is
+# its mixed digits' rate
 ISA_LIMITS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "FBGEMM_ENABLE_INSTRUCTIONS")  # env caps on kernels
 PROBE_SHAPE = (256, 4096, 4096)  # tokens, in features, out features
 FEATURE_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
@@ -46,7 +47,8 @@ class Rates:
 
     fp32: float
     bf16: float
-    int8: float  # W8A8 on its kernel as a projection runs it (smoothing, rotation, quantization; 0.0: none is exact)
+    int8: float  # W8A8 on its kernel as the projections run it (smoothing, rotation, quantization; with 7-bit
+    # activations, one digit at the MLP's inputs and two elsewhere, weighed by their FLOPs); 0.0: none is exact
     int8_kernel: str | None  # which one (checkpoint/w8a8.py): the fastest exact one with 8-bit activations that is no
     # reference loop, else the fastest exact one; None: no kernel is exact on this machine
     kernels: dict[str, float] = field(default_factory=dict)  # every exact kernel's G(OP)/s
@@ -118,7 +120,7 @@ def kernel_note(name: str, gops: float, fp32: float) -> str:
     if is_reference_loop(gops, fp32):
         return f"{gops:.2g} GOP/s, a reference loop here: used only when forced"
     bits = W8A8_KERNELS[name].activation_bits
-    return f"{gops:.0f} GOP/s" + ("" if bits == 8 else f", {bits}-bit activations: never the default")
+    return f"{gops:.0f} GOP/s" + ("" if bits == 8 else f", {bits}-bit activations (two digits outside the MLP's inputs)")
 
 
 def w8a8_choice(kernels: dict[str, float], fp32: float) -> str | None:
@@ -163,10 +165,17 @@ def measure(repeats: int = 3, shape: tuple[int, int, int] = PROBE_SHAPE) -> Rate
         else:
             kernels[kernel.name] = small  # a reference loop: exact, usable when forced, never the default
     best = w8a8_choice(kernels, fp32)
+    int8 = kernels.get(best, 0.0)
+    if best is not None and W8A8_KERNELS[best].levels < 127 and not is_reference_loop(int8, fp32):
+        # 7-bit activations: W8A8 runs one digit at the MLP's inputs, two elsewhere (precision.w8a8_digits)
+        kernel = W8A8_KERNELS[best]
+        packed = kernel.pack(q, scale)
+        two = rate(lambda: kernel.two_digit_linear(rotate(x / smoothing), packed, scale))
+        int8 = 1 / (SEVEN_BIT_ONE_DIGIT_SHARE / int8 + (1 - SEVEN_BIT_ONE_DIGIT_SHARE) / two)
     return Rates(
         fp32=fp32,
         bf16=rate(lambda: x16 @ weight16.t()),
-        int8=kernels.get(best, 0.0),
+        int8=int8,
         int8_kernel=best,
         int8_bits=W8A8_KERNELS[best].activation_bits if best else 0,
         kernels=kernels,

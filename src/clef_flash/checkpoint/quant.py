@@ -14,10 +14,12 @@ Scheme (`INT8_SCHEME_VERSION` 2). For a projection `y = x W^T` with input width 
 What is quantized is one explicit predicate, `model.precision.is_quantized`: the decoder's 2-D projection
 weights, except `KEPT_HIGH_PRECISION`. Everything else stays as stored.
 
-Two classes, one line of forward each, built by `replace_linears` from the plan:
+A class per way to compute, one line of forward each, built by `replace_linears` from the plan:
 - `WeightOnlyLinear`: the int8 weight dequantized tile by tile to fp32 and multiplied there.
 - `W8A8Linear`: the rotated input quantized per token and multiplied in int8 with int32 sums by the plan's kernel
   (checkpoint/w8a8.py); the weight packed for that kernel once, when it is filled (`pack_int8`), never in a forward.
+- `TwoDigitLinear`: as W8A8Linear, each activation in two int8 digits: on a kernel with 7-bit activations, every
+  projection but the MLP's inputs (`precision.w8a8_digits`).
 
 `QuantizingSource` wraps any tensor source (a release's safetensors) and presents the quantized names, so loading
 a release as int8 and converting it to a bundle are the same code path.
@@ -38,10 +40,12 @@ from ..model.precision import (
     SCALE_SUFFIX,
     SMOOTHING_EXPONENT,
     SMOOTHING_SUFFIX,
+    TWO_DIGITS,
     W8A8,
     WEIGHT_ONLY,
     is_quantized,
     smoothing_of,
+    w8a8_digits,
 )
 from .rotation import rotate
 from .safetensors_io import release_pages, return_free_heap
@@ -124,12 +128,14 @@ class Int8Linear(nn.Module):
     def inputs(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., I] -> (x / s) R as fp32 [M, I]: what the int8 weight multiplies. The projections that read one
         input with one smoothing (q, k, v; in_proj_qkv, in_proj_z; gate, up) rotate it once: the last rotation is
-        kept (per thread) with the very tensor it came from and that tensor's version."""
+        kept (per thread) with the very tensor it came from and that tensor's version (an inference tensor has none:
+        the decoder never changes a projection's input in place, tests/test_quant.py)."""
+        version = None if x.is_inference() else x._version
         last = getattr(_last_rotation, "entry", None)
-        if last is not None and last[0] is x and last[1] == x._version and _same(last[2], self.input_smoothing):
+        if last is not None and last[0] is x and last[1] == version and _same(last[2], self.input_smoothing):
             return last[3]
         rotated = rotate(x.reshape(-1, self.in_features), column_scale=1.0 / self.input_smoothing)  # [M, I] fp32
-        _last_rotation.entry = (x, x._version, self.input_smoothing, rotated)
+        _last_rotation.entry = (x, version, self.input_smoothing, rotated)
         return rotated
 
     def shaped(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -175,6 +181,15 @@ class W8A8Linear(Int8Linear):
         return f"{super().extra_repr()}, kernel={self.kernel.name}"
 
 
+class TwoDigitLinear(W8A8Linear):
+    """W8A8 with each activation in two int8 digits (checkpoint/w8a8.py): where the kernel's 7 bits are not enough."""
+
+    mode = TWO_DIGITS
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.shaped(self.kernel.two_digit_linear(self.inputs(x), self.packed, self.weight_scale), x)
+
+
 def pack_int8(module: nn.Module) -> None:
     """Pack every filled int8 linear of `module` for its kernel (`load` and the low-memory window call this; a layer
     still on the meta device waits for its window)."""
@@ -206,7 +221,9 @@ def replace_linears(module: nn.Module, mode: str, kernel: str | None = None, kee
                     raise ValueError(f"{full} has a bias: the int8 scheme covers bias-free projections only")
                 with torch.device(linear.weight.device):
                     if mode == W8A8:
-                        replacement: Int8Linear = W8A8Linear(linear.in_features, linear.out_features, W8A8_KERNELS[kernel])
+                        chosen = W8A8_KERNELS[kernel]
+                        two = w8a8_digits(full, chosen.activation_bits) == 2
+                        replacement: Int8Linear = (TwoDigitLinear if two else W8A8Linear)(linear.in_features, linear.out_features, chosen)
                     else:
                         replacement = WeightOnlyLinear(linear.in_features, linear.out_features)
                 setattr(child, child_name, replacement)

@@ -17,6 +17,11 @@ against exact integer products, and the machine's probe (machine.py) accepts onl
 (FBGEMM is also exact with 8-bit activations and weights within 7 bits, 255 * 63 * 2 < 32767; measured
 (benchmarks/int8_schemes.py), 7-bit weights lose more agreement than 7-bit activations, so it keeps the latter.)
 
+Two digits (`W8A8Kernel.two_digit_linear`, where 7-bit activations are not enough: precision.SEVEN_BIT_ONE_DIGIT):
+each row is rounded to integers t in [-levels * base, levels * base] (base = 2 * levels: ~13 bits for FBGEMM's 63)
+and written t = hi * base + lo with both digits within [-levels, levels]; the rows [hi; lo] go through the same int8
+kernel as one product of twice the rows, and out = base * P_hi + P_lo: exact integer sums, 1 byte a weight.
+
 FBGEMM quantizes activations itself, per tensor, as u8 with a zero point (`reduce_range`: 0..127). Its
 rounding is made to be ours exactly: each row is scaled to integers in [-63, 63] first, and two extra
 columns (-64 and 63, against zero weight columns) pin the tensor's range, so FBGEMM's scale is 1 and its
@@ -50,6 +55,23 @@ def quantize_per_token(x2d: torch.Tensor, levels: int = 127, dtype: torch.dtype 
     integers = units.new_empty((units.shape[0], units.shape[1] + pad), dtype=dtype)  # [M, I + pad]
     integers[:, : units.shape[1]] = units
     return integers, scale
+
+
+def quantize_two_digits(x2d: torch.Tensor, levels: int = 127, dtype: torch.dtype = INT8, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """x [M, I] -> (digits [2M, I + pad] as `dtype`: the rows [hi; lo], fp32 scale [M, 1], base) with
+    hi * base + lo = round(x / scale) (but for the odd tie, one unit off), |hi|, |lo| <= levels; the `pad` last
+    columns as in `quantize_per_token`."""
+    base = 2 * levels
+    x32 = x2d.float()
+    scale = x32.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(FP32).tiny) / (levels * base)  # [M, 1]
+    rows, inner = x32.shape
+    units = x32 / (scale * base)  # [M, I] in [-levels, levels]: the integers round(x / scale), divided by base
+    hi = units.round()  # [M, I]
+    lo = units.sub_(hi).mul_(base).round_()  # (x / scale - hi * base) rounded: [M, I] in [-levels, levels]
+    digits = torch.empty(2 * rows, inner + pad, dtype=dtype, device=x32.device)  # [2M, I + pad]
+    digits[:rows, :inner].copy_(hi)
+    digits[rows:, :inner].copy_(lo)
+    return digits, scale, base
 
 
 # -- the kernels: (xq integers [M, I], packed weight, weight scale [O]) -> fp32 [M, O] ------------------------
@@ -117,6 +139,13 @@ class W8A8Kernel:
     @property
     def activation_bits(self) -> int:
         return self.levels.bit_length() + 1
+
+    def two_digit_linear(self, x2d: torch.Tensor, packed: Any, scale: torch.Tensor) -> torch.Tensor:
+        """As `linear`, with each activation in two int8 digits (see the module's docstring)."""
+        rows = x2d.shape[0]
+        digits, x_scale, base = quantize_two_digits(x2d, self.levels, self.activation_dtype, self.pad)
+        products = self.multiply(digits, packed, scale)  # [2M, O]: the hi rows, then the lo rows
+        return products[:rows].mul_(base).add_(products[rows:]).mul_(x_scale)
 
     def linear(self, x2d: torch.Tensor, packed: Any, scale: torch.Tensor) -> torch.Tensor:
         """x [M, I] -> fp32 [M, O]: x rounded per token to [-levels, levels], the integer product, both scales."""

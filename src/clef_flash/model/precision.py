@@ -43,6 +43,12 @@ SCALE_DTYPE = FP32
 KEPT_HIGH_PRECISION = ("in_proj_a.weight", "in_proj_b.weight")
 # The DeltaNet decay parameters are held in at least fp32, whatever the compute dtype (as transformers).
 HIGH_PRECISION_PARAMETERS = ("A_log", "dt_bias")
+TWO_DIGITS = "w8a8-two-digit"  # W8A8 with each activation in two int8 digits (checkpoint/w8a8.py)
+# On a kernel with 7-bit activations (FBGEMM, the only exact one of AVX2-only CPUs) one digit qualifies at the MLP's
+# inputs only; every other projection takes two (benchmarks/int8_schemes.py). They are 47% of a 9B layer block's
+# projection FLOPs.
+SEVEN_BIT_ONE_DIGIT = ("gate_proj", "up_proj")
+SEVEN_BIT_ONE_DIGIT_SHARE = 0.47
 INT8_SCHEME_VERSION = 2  # 1: plain per-channel int8 (+ calibrated outlier channels); 2: smoothed and rotated
 SMOOTHING_SUFFIX = "input_smoothing"  # `x.input_smoothing` fp32 [I]: the scale `x`'s input was multiplied by
 HEAD_DTYPE = FP32
@@ -85,6 +91,11 @@ SMOOTHED_BY = {
     "mlp.gate_proj": ("post_attention_layernorm.weight", True),
     "mlp.up_proj": ("post_attention_layernorm.weight", True),
 }
+
+
+def w8a8_digits(linear_name: str, activation_bits: int) -> int:
+    """How many int8 digits per activation a projection takes under W8A8 on a kernel with `activation_bits`."""
+    return 1 if activation_bits >= 8 or linear_name.rpartition(".")[2] in SEVEN_BIT_ONE_DIGIT else 2
 
 
 def smoothing_of(weight_name: str) -> tuple[str, bool] | None:
@@ -258,10 +269,10 @@ class Plan:
 # and int8_schemes.py; README "Numbers"). Exact kernels: the figures hold on any CPU. The smoothed and rotated int8
 # scheme (checkpoint/quant.py) qualifies without calibration in weight-only and in W8A8 with 8-bit activations: one
 # int8 product per projection, 1 byte a weight. With 7-bit integers on either side (FBGEMM, the only exact kernel of
-# AVX2-only CPUs) it did not (4 to 8 decisions differing where the reference's bf16 had 2, median |dp| 2-3x): there
-# W8A8 runs only when asked for. A release quantizes while loading.
+# AVX2-only CPUs) one product per projection did not (4 to 8 decisions differing where the reference's bf16 had 2,
+# median |dp| 2-3x); one 7-bit digit at the MLP's inputs and two elsewhere (`w8a8_digits`) did. A release quantizes
+# while loading.
 QUALIFIED = ("fp32", "bf16", "int8-w8a8", "int8-weight-only")
-QUALIFIED_W8A8_BITS = 8  # the activation bits W8A8 qualified at
 WEIGHT_ONLY_OVERHEAD = 1.15  # dequantizing tiles costs ~15% over the fp32 product it feeds (measured)
 ENVIRONMENT = "CLEF_FLASH_PRECISION"
 
@@ -316,7 +327,7 @@ def choose_precision(
         name = "bf16" if not stored_int8 else "int8-weight-only"
         return PRECISIONS[name].with_reason(f"on {device.type}: {name} until an 8-bit path qualifies there")
     measured = rates()
-    if measured.int8_kernel is None or measured.int8 <= 0 or measured.int8_bits != QUALIFIED_W8A8_BITS:
+    if measured.int8_kernel is None or measured.int8 <= 0:
         candidates = tuple(name for name in candidates if name != "int8-w8a8")
     rate = {"fp32": measured.fp32, "bf16": measured.bf16, "int8-w8a8": measured.int8, "int8-weight-only": weight_only_rate(measured)}
     needs = {name: (parameters or 0) * BYTES_PER_PARAMETER[name] for name in candidates}
@@ -332,12 +343,12 @@ def choose_precision(
     figures = ", ".join(f"{name} {rate[name]:.0f}" for name in candidates)
     kernel = f" ({measured.int8_kernel})" if best == "int8-w8a8" else ""
     reason = f"fastest qualified on this CPU{kernel}; probe G(FL)OP/s: {figures}"
-    if "int8-w8a8" not in candidates and measured.int8_kernel is None:
+    if "int8-w8a8" not in candidates:
         reason += "; int8-w8a8 left out: no exact W8A8 kernel here"
-    elif "int8-w8a8" not in candidates:
+    if best == "int8-w8a8" and measured.int8_bits < 8:
         reason += (
-            f"; int8-w8a8 left out: its exact kernel here ({measured.int8_kernel}) takes {measured.int8_bits}-bit activations, "
-            f"which did not qualify ({measured.int8:.0f} G(OP)/s; ask for it with precision int8-w8a8)"
+            f"; {measured.int8_bits}-bit activations: one int8 digit at {', '.join(SEVEN_BIT_ONE_DIGIT)}, two at every other "
+            "projection, 1 byte a weight"
         )
     left_out = [name for name in candidates if name not in fitting_ones]
     if left_out:
