@@ -51,7 +51,7 @@ from .rotation import rotate
 from .safetensors_io import release_pages, return_free_heap
 from .w8a8 import W8A8_KERNELS, W8A8Kernel
 
-SCHEME = "int8 per output channel of (W diag(s)) R; activations (x / s) R per token (s: the input's norm scale, R: randomized Hadamard)"
+SCHEME = "int8 per output channel of (W diag(s)) R; activations (x / s) R per token (s: the square root of the input's norm scale, R: randomized Hadamard)"
 TILE_ELEMENTS = 1 << 22  # weight elements dequantized at once in weight-only mode (16 MB of fp32)
 ROWS_AT_ONCE = 4096  # weight rows rotated and quantized at once (64 MB of fp32 at 4096 columns)
 
