@@ -125,7 +125,7 @@ def kernel_note(name: str, gops: float, fp32: float) -> str:
 
 def w8a8_choice(kernels: dict[str, float], fp32: float) -> str | None:
     """W8A8's kernel among the exact ones (name -> G(OP)/s): the fastest with 8-bit activations that is no reference
-    loop, else the fastest (then W8A8 is not qualified: used only when forced); None: none."""
+    loop, else the fastest (a 7-bit one: W8A8 in mixed digits; a reference loop: too slow for the default); None: none."""
     eight_bit = [name for name in kernels if W8A8_KERNELS[name].levels == 127 and not is_reference_loop(kernels[name], fp32)]
     return max(eight_bit or kernels, key=kernels.get) if kernels else None
 
@@ -142,7 +142,7 @@ def measure(repeats: int = 3, shape: tuple[int, int, int] = PROBE_SHAPE) -> Rate
     x = torch.randn(tokens, inputs, generator=generator)
     weight = torch.randn(outputs, inputs, generator=generator) / inputs**0.5
     q, scale = quantize_per_channel(weight)
-    smoothing = torch.ones(inputs)
+    smoothing = torch.ones(inputs)  # the input's 1 / s, folded into the rotation's signs as a projection does
     x16, weight16 = x.to(BF16), weight.to(BF16)
     ops = 2 * tokens * inputs * outputs
     rate = lambda run, ops=ops: ops / _best_seconds(run, repeats) / 1e9  # noqa: E731
@@ -158,10 +158,10 @@ def measure(repeats: int = 3, shape: tuple[int, int, int] = PROBE_SHAPE) -> Rate
             continue
         small_x, small_q, small_scale = x[: tokens // 4, : inputs // 4].contiguous(), q[: outputs // 4, : inputs // 4].contiguous(), scale[: outputs // 4]
         packed = kernel.pack(small_q, small_scale)
-        small = rate(lambda: kernel.linear(rotate(small_x / smoothing[: inputs // 4]), packed, small_scale), ops / 64)
+        small = rate(lambda: kernel.linear(rotate(small_x, column_scale=smoothing[: inputs // 4]), packed, small_scale), ops / 64)
         if not is_reference_loop(small, fp32):
             packed = kernel.pack(q, scale)
-            kernels[kernel.name] = rate(lambda: kernel.linear(rotate(x / smoothing), packed, scale))
+            kernels[kernel.name] = rate(lambda: kernel.linear(rotate(x, column_scale=smoothing), packed, scale))
         else:
             kernels[kernel.name] = small  # a reference loop: exact, usable when forced, never the default
     best = w8a8_choice(kernels, fp32)
@@ -170,7 +170,7 @@ def measure(repeats: int = 3, shape: tuple[int, int, int] = PROBE_SHAPE) -> Rate
         # 7-bit activations: W8A8 runs one digit at the MLP's inputs, two elsewhere (precision.w8a8_digits)
         kernel = W8A8_KERNELS[best]
         packed = kernel.pack(q, scale)
-        two = rate(lambda: kernel.two_digit_linear(rotate(x / smoothing), packed, scale))
+        two = rate(lambda: kernel.two_digit_linear(rotate(x, column_scale=smoothing), packed, scale))
         int8 = 1 / (SEVEN_BIT_ONE_DIGIT_SHARE / int8 + (1 - SEVEN_BIT_ONE_DIGIT_SHARE) / two)
     return Rates(
         fp32=fp32,
