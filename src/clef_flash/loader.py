@@ -86,7 +86,7 @@ def load(
     `adapter` given here, else the base). Strict: an adapter for another base, without its head, or with a PEFT
     option that is not plain LoRA is refused (checkpoint/adapters.py).
     """
-    from .checkpoint.adapters import adapter_name_of
+    from .checkpoint.adapters import adapter_name_of, read_adapters
     from .engine.coreml_backend import CoreMLBackend
     from .engine.torch_backend import TorchBackend
 
@@ -105,8 +105,9 @@ def load(
             raise ClefError(f"{checkpoint.where} is a Core ML export: adapters run on the torch backend (load the release)")
         backend = CoreMLBackend(checkpoint, runner=coreml_runner or "coreml", verify=verify)
     else:
+        read = read_adapters(checkpoint, paths) if paths else None  # checked before the base is built
         backend = TorchBackend(
-            checkpoint, plan, resident_layers=resident_layers, segment_tokens=segment_tokens, adapters=paths, default_adapter=default_adapter
+            checkpoint, plan, resident_layers=resident_layers, segment_tokens=segment_tokens, adapters=read, default_adapter=default_adapter
         )
     cache_mb = default_state_cache_mb() if state_cache_mb is None else state_cache_mb
     if cache_mb < 0:

@@ -273,25 +273,35 @@ class LoadedAdapters:
         return self.merged is None
 
 
+def read_adapters(checkpoint: Any, paths: Mapping[str, str | Path]) -> dict[str, AdapterCheckpoint]:
+    """Read and check every adapter in `paths` (name -> checkpoint directory) against `checkpoint`'s config, before
+    the base is built (the modules on the meta device give the shapes)."""
+    from ..model.joint_head import HeadConfig, JointHead
+    from ..model.lora import projection_shapes
+    from ..model.qwen3_5 import Qwen35Decoder
+    from .loading import meta_modules, module_shapes, text_config_of
+
+    with meta_modules():
+        projections = projection_shapes(Qwen35Decoder(text_config_of(checkpoint)))
+        head_shapes = module_shapes(JointHead(HeadConfig.from_dict(checkpoint.head_config)))
+    return {name: read_adapter(path, name=name, projections=projections, head_shapes=head_shapes) for name, path in paths.items()}
+
+
 def install_adapters(
-    parts: Any, plan: Any, paths: Mapping[str, str | Path], *, default: str | None, resident_layers: int | None = None
+    parts: Any, plan: Any, adapters: Mapping[str, AdapterCheckpoint], *, default: str | None, resident_layers: int | None = None
 ) -> LoadedAdapters:
-    """Read every adapter in `paths` (name -> checkpoint directory) against the built `parts` (checkpoint.ModelParts)
-    and put them in the decoder: one adapter that answers by default in a 16/32-bit plan is merged into the
-    weights (the fastest; the base is then not served); otherwise the updates are kept apart, one copy of the base."""
+    """Put `adapters` (read_adapters) in the built `parts` (checkpoint.ModelParts): one adapter that answers by
+    default in a 16/32-bit plan is merged into the weights (the fastest; the base is then not served); otherwise
+    the updates are kept apart, beside one copy of the base."""
     from ..model.joint_head import JointHead
-    from ..model.lora import attach_adapters, merge_adapter, projection_shapes
-    from .loading import fill_module, meta_modules, module_shapes
+    from ..model.lora import attach_adapters, merge_adapter
+    from .loading import fill_module, meta_modules
 
     if resident_layers:
         raise ModelSourceError("adapters and resident_layers (the low-memory mode) do not combine: load the base whole")
-    if default is not None and default not in paths:
-        raise ModelSourceError(f"the default adapter {default!r} is not among those given ({', '.join(paths)})")
-    projections = projection_shapes(parts.decoder)
-    head_shapes = module_shapes(parts.head)
-    adapters = {
-        name: read_adapter(path, name=name, projections=projections, head_shapes=head_shapes) for name, path in paths.items()
-    }
+    if default is not None and default not in adapters:
+        raise ModelSourceError(f"the default adapter {default!r} is not among those given ({', '.join(adapters)})")
+    adapters = dict(adapters)
 
     def head_of(tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
         with meta_modules():

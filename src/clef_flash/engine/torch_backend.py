@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..checkpoint import Checkpoint, ModelParts, build_model
-from ..checkpoint.adapters import LoadedAdapters, install_adapters
+from ..checkpoint.adapters import AdapterCheckpoint, LoadedAdapters, install_adapters
 from ..errors import ClefError, adapter_not_loaded, no_vision_tower
 from ..model.head_batch import build_head_batch, softmax_per_question, split_logits
 from ..model.joint_head import FeatureBuilder
@@ -45,11 +45,11 @@ class TorchBackend:
         *,
         resident_layers: int | None = None,
         segment_tokens: int = DEFAULT_SEGMENT_TOKENS,
-        adapters: Mapping[str, str] | None = None,
+        adapters: Mapping[str, AdapterCheckpoint] | None = None,
         default_adapter: str | None = None,
     ):
-        """`adapters`: name -> clef-finetune checkpoint directory, run beside the base; `default_adapter`: the one a
-        record that names none takes (None: the base)."""
+        """`adapters`: clef-finetune checkpoints by name (checkpoint.adapters.read_adapters), run beside the base;
+        `default_adapter`: the one a record that names none takes (None: the base)."""
         if segment_tokens < 1:
             raise ClefError(f"segment_tokens must be at least 1, not {segment_tokens}")
         self.plan = plan
