@@ -312,3 +312,40 @@ def test_strict_loading(tiny_dir, first, tmp_path, change, error, message):
     with pytest.raises(error, match=message) as caught:
         clef_flash.load(tiny_dir, adapters={"x": broken}, precision="fp32")
     assert "\n" not in str(caught.value)
+
+
+# -- the server ---------------------------------------------------------------------------------------
+
+
+def test_server_field_openapi_and_health(two):
+    import time
+
+    from fastapi.testclient import TestClient
+
+    from clef_flash.server import create_app
+
+    with TestClient(create_app(two, batch_wait_ms=0)) as client:
+        deadline = time.monotonic() + 30
+        while client.get("/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        health = client.get("/health").json()
+        assert [item["name"] for item in health["adapters"]] == ["a", "b"]
+        assert all(item["mode"].startswith("kept apart") and not item["default"] for item in health["adapters"])
+
+        schemas = client.get("/openapi.json").json()["components"]["schemas"]
+        adapter = schemas["SystemOneRequest"]["properties"]["adapter"]
+        assert "clef-flash's own field" in adapter["description"]
+        assert {"type": "string", "enum": ["a", "b"]} in adapter["anyOf"]
+
+        body = request_of(RECORDS[1], adapter="b")
+        served = client.post("/v1/systemone", json=body)
+        assert served.status_code == 200, served.text
+        assert served.json()["answers"] == two.answer(body)["answers"]
+        assert client.post("/v1/systemone", json=request_of(RECORDS[1])).json()["answers"] == two.answer(request_of(RECORDS[1]))["answers"]
+
+        refused = client.post("/v1/systemone", json=request_of(RECORDS[1], adapter="nope"))
+        assert refused.status_code == 422
+        (error,) = refused.json()["detail"]
+        assert error["type"] == "adapter_not_loaded" and error["loc"] == ["body", "adapter"]
+        assert "loaded: 'a', 'b'" in error["msg"]

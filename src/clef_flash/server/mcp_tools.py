@@ -191,7 +191,7 @@ class ToolServer:
                 description="Answer typed questions about a state: a System One request (state; questions of type "
                 "noul = yes/no, choice = one of labels, score = an ordered rubric) -> a probability for every "
                 f"option{random}",
-                input_schema=self.request_type.model_json_schema(),  # `adapter`: an enum of those loaded
+                input_schema=SystemOneRequest.model_json_schema(),  # `adapter` included: a name `clef-flash mcp --adapter` loaded
                 output_schema=response,
             ),
             types.Tool(
