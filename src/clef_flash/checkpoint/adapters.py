@@ -28,6 +28,7 @@ import torch
 from safetensors import safe_open
 
 from ..errors import ModelSourceError, WeightsError
+from ..model.lora import LoraPair
 from .loading import check_keys
 from .names import DECODER_PREFIX
 
@@ -64,23 +65,6 @@ NAMED_OPTIONS = {
     "target_parameters": "parameter targets (target_parameters)",
     "trainable_token_indices": "trained token embeddings (trainable_token_indices)",
 }
-
-
-@dataclass(frozen=True)
-class LoraPair:
-    """One projection's low-rank update: `down` A [r, in], `up` B [out, r] (fp32, as trained), `scale`."""
-
-    down: torch.Tensor
-    up: torch.Tensor
-    scale: float
-
-    def delta(self) -> torch.Tensor:
-        """The update of the projection's weight, `scale * B A` [out, in] in fp32 (what merging adds)."""
-        return (self.up @ self.down) * self.scale
-
-    @property
-    def nbytes(self) -> int:
-        return self.down.nbytes + self.up.nbytes
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -29,12 +29,26 @@ from torch import nn
 from ..errors import InferenceError
 from .qwen3_5 import MLP, MLP_ROWS
 
-if TYPE_CHECKING:
-    from ..checkpoint.adapters import AdapterCheckpoint, LoraPair
-
 BASE = -1  # the slot of "no adapter"
 # (slot, token indices into the layout's flat rows, or None: every row)
 Groups = list[tuple[int, "torch.Tensor | None"]]
+
+
+@dataclass(frozen=True)
+class LoraPair:
+    """One projection's low-rank update: `down` A [r, in], `up` B [out, r] (fp32, as trained), `scale`."""
+
+    down: torch.Tensor
+    up: torch.Tensor
+    scale: float
+
+    def delta(self) -> torch.Tensor:
+        """The update of the projection's weight, `scale * B A` [out, in] in fp32 (what merging adds)."""
+        return (self.up @ self.down) * self.scale
+
+    @property
+    def nbytes(self) -> int:
+        return self.down.nbytes + self.up.nbytes
 
 
 def token_groups(token_slots: torch.Tensor) -> Groups:
@@ -79,7 +93,8 @@ class AdapterBank:
 
     The routing lives on the bank (not on a thread): one model worker runs a decoder at a time."""
 
-    def __init__(self, adapters: Sequence[AdapterCheckpoint], default: str | None):
+    def __init__(self, adapters: Sequence[Any], default: str | None):
+        """`adapters`: checkpoint.adapters.AdapterCheckpoint (a `name` and `pairs`: projection name -> LoraPair)."""
         self.adapters = list(adapters)
         self.slots = {adapter.name: slot for slot, adapter in enumerate(self.adapters)}
         self.default = BASE if default is None else self.slots[default]
@@ -181,7 +196,7 @@ def projection_shapes(decoder: nn.Module) -> dict[str, tuple[int, int]]:
     return shapes
 
 
-def attach_adapters(decoder: nn.Module, adapters: Sequence[AdapterCheckpoint], default: str | None) -> AdapterBank:
+def attach_adapters(decoder: nn.Module, adapters: Sequence[Any], default: str | None) -> AdapterBank:
     """Wrap every projection any of `adapters` trains in a LoraLinear (the base weights untouched) and every MLP
     in a RoutedMLP; the returned bank routes each step."""
     bank = AdapterBank(adapters, default)
@@ -202,7 +217,7 @@ def attach_adapters(decoder: nn.Module, adapters: Sequence[AdapterCheckpoint], d
 
 
 @torch.no_grad()
-def merge_adapter(decoder: nn.Module, adapter: AdapterCheckpoint) -> None:
+def merge_adapter(decoder: nn.Module, adapter: Any) -> None:
     """Fold `adapter` into the decoder's 16/32-bit weights: W + scale * B A, added in fp32 and stored in W's dtype
     (as PEFT's merge_and_unload)."""
     for name, pair in adapter.pairs.items():
