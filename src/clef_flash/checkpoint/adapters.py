@@ -300,3 +300,34 @@ def install_adapters(
     heads[None] = parts.head
     bank = attach_adapters(parts.decoder, list(adapters.values()), default)
     return LoadedAdapters(adapters, heads, default, bank=bank)
+
+
+def adapter_options(values: list[str] | None) -> dict[str, Any]:
+    """The command line's `--adapter` values as `load`'s keywords: "DIR" answers by default (one at most),
+    "NAME=DIR" answers the requests that name it."""
+    options: dict[str, Any] = {}
+    named: dict[str, str] = {}
+    for value in values or ():
+        name, path = parse_adapter_option(value)
+        if name is None:
+            if "adapter" in options:
+                raise ModelSourceError(f"two --adapter DIR without a name ({options['adapter']}, {path}): name all but the default NAME=DIR")
+            options["adapter"] = path
+        elif name in named:
+            raise ModelSourceError(f"two adapters named {name!r}")
+        else:
+            named[name] = path
+    if named:
+        options["adapters"] = named
+    return options
+
+
+def side_by_side(values: list[str]) -> tuple[str, dict[str, str]]:
+    """The one `--adapter` of a base-vs-tuned evaluation: (its name, `load`'s adapters=) — kept apart, so that
+    the base answers too."""
+    options = adapter_options(values)
+    chosen = {**({adapter_name_of(options["adapter"]): options["adapter"]} if "adapter" in options else {}), **options.get("adapters", {})}
+    if len(chosen) != 1:
+        raise ModelSourceError(f"base vs tuned compares one adapter with the base; {len(chosen)} were given")
+    (name,) = chosen
+    return name, chosen
