@@ -189,6 +189,19 @@ def test_mixed_batch_equals_one_at_a_time(two, one_torch_thread):
     )
     print(f"mixed batch vs one at a time: max |dp| {worst:.1e}")
     assert worst <= 1e-5
+    kept = model.segment_tokens
+    model.segment_tokens = 97  # rows leave the steps at different segments: the routing follows the rows left
+    try:
+        segmented = model.answer_many(requests, decimals=None)
+    finally:
+        model.segment_tokens = kept
+    assert model.last_timings.forwards > 4
+    assert max(
+        abs(x - y)
+        for t, a in zip(segmented, together)
+        for question_id in t["answers"]
+        for x, y in zip(_probabilities(t["answers"][question_id]), _probabilities(a["answers"][question_id]))
+    ) <= 1e-5
     a_answer = model.answer(request_of(RECORDS[1], adapter="a"), decimals=None)
     assert _probabilities(a_answer["answers"]["mood"]) != pytest.approx(_probabilities(together[1]["answers"]["mood"]), abs=1e-4)
 

@@ -151,9 +151,10 @@ class LoraLinear(nn.Module):
             if index is None:  # PEFT's order: result + lora_B(lora_A(x)) * scaling
                 y = y + (F.linear(F.linear(x.to(pair.down.dtype), pair.down), pair.up) * pair.scale).to(y.dtype)
                 continue
-            flat_x, flat_y = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])  # [M, I], [M, O]
+            flat_x, flat_y = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])  # [M, I], [M, O] (views when contiguous)
             rows = flat_x.index_select(0, index).to(pair.down.dtype)
             flat_y.index_add_(0, index, (F.linear(F.linear(rows, pair.down), pair.up) * pair.scale).to(y.dtype))
+            y = flat_y.view(y.shape)
         return y
 
     def extra_repr(self) -> str:
