@@ -362,3 +362,34 @@ def test_server_field_openapi_and_health(two):
         (error,) = refused.json()["detail"]
         assert error["type"] == "adapter_not_loaded" and error["loc"] == ["body", "adapter"]
         assert "loaded: 'a', 'b'" in error["msg"]
+
+
+@pytest.mark.parametrize("row_slots", [[0, 1, 0, -1], [1, 1, 0, 0], [-1, -1, -1, -1], [1, 1, 1, 1]], ids=["interleaved", "runs", "base", "one"])
+def test_routed_projection_against_rows_one_by_one(row_slots):
+    """LoraLinear's grouped update (gathered indices or slices, every layout) against each row alone."""
+    from types import SimpleNamespace
+
+    from clef_flash.model.lora import AdapterBank, LoraLinear, LoraPair
+
+    generator = torch.Generator().manual_seed(0)
+    base = torch.nn.Linear(24, 40, bias=False)
+    pairs = [LoraPair(torch.randn(4, 24, generator=generator), torch.randn(40, 4, generator=generator), 0.5 * (slot + 1)) for slot in range(2)]
+    bank = AdapterBank([SimpleNamespace(name=f"a{slot}") for slot in range(2)], default=None)
+    linear = LoraLinear(base, bank)
+    linear.pairs = dict(enumerate(pairs))
+    counts, width = [5, 3, 7, 2], 7
+    x = torch.randn(4, width, 24, generator=generator)  # [B, L, I]
+
+    def alone(row: torch.Tensor, slot: int) -> torch.Tensor:
+        out = base(row)
+        return out if slot < 0 else out + (row @ pairs[slot].down.T) @ pairs[slot].up.T * pairs[slot].scale
+
+    expected = torch.stack([alone(x[b], slot) for b, slot in enumerate(row_slots)])  # [B, L, O]
+    real = torch.cat([torch.arange(b * width, b * width + count) for b, count in enumerate(counts)])
+    with torch.no_grad(), bank.route(row_slots, counts, width):
+        full = linear(x)
+        flat = linear(x.reshape(-1, 24))
+        real_rows = linear(x.reshape(-1, 24)[real])
+    torch.testing.assert_close(full, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(flat, expected.reshape(-1, 40), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(real_rows, expected.reshape(-1, 40)[real], rtol=1e-5, atol=1e-5)

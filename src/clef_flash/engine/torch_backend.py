@@ -132,7 +132,20 @@ class TorchBackend:
         self, records: Sequence[EncodedRecord], entries: Sequence[CachedState | None], timings: Timings
     ) -> list[list[QuestionResult]]:
         """Records from their kept states (or from the start) to the end, then the head: one decoder pass for
-        all, each adapter's records then read by its own head."""
+        all, each adapter's records then read by its own head. Records run ordered by adapter (each adapter's
+        tokens one slice in the projections), answered in the order given."""
+        order = sorted(range(len(records)), key=lambda index: (records[index].adapter is not None, records[index].adapter or ""))
+        if order == list(range(len(records))):
+            return self._forward(records, entries, timings)
+        ran = self._forward([records[index] for index in order], [entries[index] for index in order], timings)
+        results: list[list[QuestionResult]] = [[] for _ in records]
+        for position, index in enumerate(order):
+            results[index] = ran[position]
+        return results
+
+    def _forward(
+        self, records: Sequence[EncodedRecord], entries: Sequence[CachedState | None], timings: Timings
+    ) -> list[list[QuestionResult]]:
         start = time.perf_counter()
         clock = HeadClock(timings)
         names = [record.adapter for record in records]

@@ -30,8 +30,8 @@ from ..errors import InferenceError
 from .qwen3_5 import MLP, MLP_ROWS
 
 BASE = -1  # the slot of "no adapter"
-# (slot, token indices into the layout's flat rows, or None: every row)
-Groups = list[tuple[int, "torch.Tensor | None"]]
+# (slot, the layout's flat rows it holds: a slice when they are contiguous, else their indices; None: every row)
+Groups = list[tuple[int, "slice | torch.Tensor | None"]]
 
 
 @dataclass(frozen=True)
@@ -52,12 +52,19 @@ class LoraPair:
 
 
 def token_groups(token_slots: torch.Tensor) -> Groups:
-    """Group a layout's rows by adapter slot (the base's rows need nothing); computed on the host once per step."""
+    """Group a layout's rows by adapter slot (the base's rows need nothing); computed on the host once per step.
+    Each adapter's rows in one run (the torch backend orders a forward's records by adapter) are a slice: no
+    gather, no scatter."""
     if token_slots.numel() == 0:
         return []
     first = int(token_slots[0])
     if bool((token_slots == first).all()):
         return [] if first == BASE else [(first, None)]
+    starts = torch.cat((torch.zeros(1, dtype=torch.long), (token_slots[1:] != token_slots[:-1]).nonzero().squeeze(1) + 1))
+    run_slots = token_slots[starts].tolist()
+    if len(set(run_slots)) == len(run_slots):  # one run per adapter
+        stops = starts[1:].tolist() + [token_slots.numel()]
+        return [(slot, slice(start, stop)) for slot, start, stop in zip(run_slots, starts.tolist(), stops) if slot != BASE]
     return [(int(slot), (token_slots == slot).nonzero().squeeze(1)) for slot in token_slots.unique().tolist() if slot != BASE]
 
 
@@ -152,8 +159,11 @@ class LoraLinear(nn.Module):
                 y = y + (F.linear(F.linear(x.to(pair.down.dtype), pair.down), pair.up) * pair.scale).to(y.dtype)
                 continue
             flat_x, flat_y = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])  # [M, I], [M, O] (views when contiguous)
-            rows = flat_x.index_select(0, index).to(pair.down.dtype)
-            flat_y.index_add_(0, index, (F.linear(F.linear(rows, pair.down), pair.up) * pair.scale).to(y.dtype))
+            if isinstance(index, slice):
+                flat_y[index] += (F.linear(F.linear(flat_x[index].to(pair.down.dtype), pair.down), pair.up) * pair.scale).to(y.dtype)
+            else:
+                rows = flat_x.index_select(0, index).to(pair.down.dtype)
+                flat_y.index_add_(0, index, (F.linear(F.linear(rows, pair.down), pair.up) * pair.scale).to(y.dtype))
             y = flat_y.view(y.shape)
         return y
 
