@@ -24,7 +24,6 @@ from ..checkpoint.adapters import AdapterCheckpoint, LoadedAdapters, install_ada
 from ..errors import ClefError, adapter_not_loaded, no_vision_tower
 from ..model.head_batch import build_head_batch, softmax_per_question, split_logits
 from ..model.joint_head import FeatureBuilder
-from ..model.lora import BASE
 from ..model.qwen3_5 import DecoderState
 from ..plan import Plan
 from ..prefill import DEFAULT_SEGMENT_TOKENS, RowMedia, row_media, run_segments
@@ -85,7 +84,7 @@ class TorchBackend:
         bank = None if self.adapters is None else self.adapters.bank
         if bank is None:
             return None
-        slots = [BASE if name is None else bank.slots[name] for name in names]
+        slots = [bank.slot_of(name) for name in names]
         return lambda active, counts, width: bank.route([slots[index] for index in active], counts, width)
 
     def state_nbytes(self, tokens: int) -> int:

@@ -96,7 +96,7 @@ class Routing:
 
 
 class AdapterBank:
-    """The adapters loaded beside one base: their names and slots, their heads, and the routing of the step at hand.
+    """The adapters kept apart beside one base: their names and slots, and the routing of the step at hand.
 
     The routing lives on the bank (not on a thread): one model worker runs a decoder at a time."""
 
@@ -162,6 +162,7 @@ class LoraLinear(nn.Module):
             if isinstance(index, slice):
                 flat_y[index] += (F.linear(F.linear(flat_x[index].to(pair.down.dtype), pair.down), pair.up) * pair.scale).to(y.dtype)
             else:
+                index = index.to(flat_x.device)  # (the routing is built on the host)
                 rows = flat_x.index_select(0, index).to(pair.down.dtype)
                 flat_y.index_add_(0, index, (F.linear(F.linear(rows, pair.down), pair.up) * pair.scale).to(y.dtype))
             y = flat_y.view(y.shape)
