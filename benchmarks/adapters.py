@@ -8,7 +8,7 @@
           plus 5% of the base.
 - speed:  8 records (the typical ~370-token ticket, 8 different states) as one `answer_many` call: on the base
           alone, mixed over 4 adapters (2 records each, one forward), and the same 8 one adapter at a time (4
-          calls); alternating rounds after a warm-up, medians, in a fresh process per repeat. Target: mixed
+          calls); rounds after a warm-up, each starting with another of the three, medians, in a fresh process per repeat. Target: mixed
           <= 1.3 x the base alone. The state cache is off.
 
 The plan is the machine's default (int8 on a CPU: the adapters kept apart beside it). Run it alone on a quiet
@@ -98,8 +98,9 @@ def child_speed(config: str, adapter_dirs: list[str], rounds: int) -> dict:
     for run in runs.values():  # warm-up
         run()
     times: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(rounds):
-        for name, run in runs.items():
+    items = list(runs.items())
+    for round_number in range(rounds):  # each round starts with another of the three
+        for name, run in items[round_number % 3 :] + items[: round_number % 3]:
             start = time.perf_counter()
             run()
             times[name].append((time.perf_counter() - start) * 1000)
