@@ -298,7 +298,7 @@ def install_adapters(
         merge_adapter(parts.decoder, adapters[default])
         return LoadedAdapters(adapters, heads, default, merged=default)
     heads[None] = parts.head
-    bank = attach_adapters(parts.decoder, list(adapters.values()), default)
+    bank = attach_adapters(parts.decoder, list(adapters.values()), default, plan.device)
     return LoadedAdapters(adapters, heads, default, bank=bank)
 
 

@@ -50,6 +50,9 @@ class LoraPair:
     def nbytes(self) -> int:
         return self.down.nbytes + self.up.nbytes
 
+    def to(self, device: torch.device) -> LoraPair:
+        return LoraPair(self.down.to(device), self.up.to(device), self.scale)
+
 
 def token_groups(token_slots: torch.Tensor) -> Groups:
     """Group a layout's rows by adapter slot (the base's rows need nothing); computed on the host once per step.
@@ -208,9 +211,9 @@ def projection_shapes(decoder: nn.Module) -> dict[str, tuple[int, int]]:
     return shapes
 
 
-def attach_adapters(decoder: nn.Module, adapters: Sequence[Any], default: str | None) -> AdapterBank:
-    """Wrap every projection any of `adapters` trains in a LoraLinear (the base weights untouched) and every MLP
-    in a RoutedMLP; the returned bank routes each step."""
+def attach_adapters(decoder: nn.Module, adapters: Sequence[Any], default: str | None, device: torch.device | None = None) -> AdapterBank:
+    """Wrap every projection any of `adapters` trains in a LoraLinear (the base weights untouched; the updates on
+    `device`) and every MLP in a RoutedMLP; the returned bank routes each step."""
     bank = AdapterBank(adapters, default)
     wrapped: dict[str, LoraLinear] = {}
     for slot, adapter in enumerate(adapters):
@@ -220,7 +223,7 @@ def attach_adapters(decoder: nn.Module, adapters: Sequence[Any], default: str | 
                 parent = decoder.get_submodule(parent_name)
                 wrapped[name] = LoraLinear(getattr(parent, child), bank)
                 setattr(parent, child, wrapped[name])
-            wrapped[name].pairs[slot] = pair
+            wrapped[name].pairs[slot] = pair if device is None else pair.to(device)
     for name, module in list(decoder.named_modules()):
         if type(module) is MLP:
             parent_name, _, child = name.rpartition(".")
