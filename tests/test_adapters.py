@@ -364,6 +364,29 @@ def test_server_field_openapi_and_health(two):
         assert "loaded: 'a', 'b'" in error["msg"]
 
 
+# -- the command line -------------------------------------------------------------------------------
+
+
+def test_command_line_adapter(tiny_dir, first, two, tmp_path, capsys):
+    from clef_flash.cli import main
+
+    (tmp_path / "request.json").write_text(json.dumps(request_of(RECORDS[0])))
+    assert main(["answer", str(tmp_path / "request.json"), "--model", str(tiny_dir), "--precision", "fp32", "--adapter", f"a={first}"]) == 0
+    assert json.loads(capsys.readouterr().out)["answers"] == two.answer(request_of(RECORDS[0]))["answers"]  # named: the base
+    assert main(["answer", str(tmp_path / "request.json"), "--model", str(tiny_dir), "--precision", "fp32", "--adapter", str(first)]) == 0
+    assert json.loads(capsys.readouterr().out)["answers"] == two.answer(request_of(RECORDS[0], adapter="a"))["answers"]
+
+    labelled = [{**request_of(record), "expected": {"ok": record["labels"]["ok"]}} for record in RECORDS]
+    (tmp_path / "labelled.jsonl").write_text("\n".join(map(json.dumps, labelled)))
+    out = tmp_path / "report"
+    assert main(["eval", "labelled", str(tmp_path / "labelled.jsonl"), "--model", str(tiny_dir), "--precision", "fp32", "--adapter", f"a={first}", "--out", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["adapter"] == "a" and report["base"]["questions"] == report["tuned"]["questions"] == 4
+    assert report["base"]["log_loss"] != report["tuned"]["log_loss"]
+    assert "| overall | 4 | log_loss |" in (out / "report.md").read_text()
+    assert main(["batch", str(tmp_path / "labelled.jsonl"), str(tmp_path / "out.jsonl"), "--ray", "--adapter", str(first)]) == 2
+
+
 @pytest.mark.parametrize("row_slots", [[0, 1, 0, -1], [1, 1, 0, 0], [-1, -1, -1, -1], [1, 1, 1, 1]], ids=["interleaved", "runs", "base", "one"])
 def test_routed_projection_against_rows_one_by_one(row_slots):
     """LoraLinear's grouped update (gathered indices or slices, every layout) against each row alone."""
