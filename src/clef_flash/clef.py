@@ -7,6 +7,7 @@ every backend. What runs the tensors is the engine's backend (engine/); how, the
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from .plan import Plan
 from .request.answers import shape_response
 from .request.protocol import DEFAULT_MODEL_NAME, SystemOneRequest, parse_request
 from .request.records import DEFAULT_MAX_LENGTH, EncodedRecord, encode_record, marked_text
-from .errors import RequestInvalid
+from .errors import RequestInvalid, adapter_not_loaded
 from .state_cache import StateCache
 
 
@@ -129,6 +130,26 @@ class Clef:
         """What /health and `info` say of the loaded model beyond its identity."""
         return {"plan": self.plan.describe(), "state_reuse": self.state_reuse, **self.engine.backend.describe()}
 
+    @property
+    def adapters(self) -> list[str]:
+        """The names of the adapters loaded beside the base (clef-finetune checkpoints), in load order."""
+        loaded = getattr(self.engine.backend, "adapters", None)
+        return [] if loaded is None else list(loaded.adapters)
+
+    @property
+    def default_adapter(self) -> str | None:
+        """The adapter a request that names none gets (None: the base model)."""
+        loaded = getattr(self.engine.backend, "adapters", None)
+        return None if loaded is None else loaded.default
+
+    def adapter_for(self, name: str | None) -> str | None:
+        """The adapter a request's `adapter` field (None: left out) resolves to; RequestInvalid when not loaded."""
+        if name is None:
+            return self.default_adapter
+        if name not in self.adapters:
+            raise adapter_not_loaded(name, self.adapters)
+        return name
+
     def __repr__(self) -> str:
         random = " (random weights)" if self.is_random else ""
         return f"Clef({self.source!r}, precision={self.precision}, device={self.device}){random}"
@@ -153,7 +174,9 @@ class Clef:
         """Parse and encode a request (raises RequestInvalid / RecordTooLong, before any inference), and
         check that the backend can run it."""
         parsed = self.parse(request)
-        prepared = Prepared(parsed, self.encode(parsed, truncate_state=truncate_state))
+        adapter = self.adapter_for(parsed.adapter)
+        record = self.encode(parsed, truncate_state=truncate_state)
+        prepared = Prepared(parsed, record if adapter is None else dataclasses.replace(record, adapter=adapter))
         self.engine.backend.check(prepared.record)
         return prepared
 

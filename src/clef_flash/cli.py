@@ -227,10 +227,12 @@ def bucket_list(text: str) -> list[int]:
 
 def load_model(args: argparse.Namespace, **options: Any):
     """`load(--model, --device, --precision, --revision, --verify, --resident-layers, --state-cache-mb,
-    --segment-tokens)` plus `options`."""
+    --segment-tokens, --adapter)` plus `options`."""
+    from .checkpoint.adapters import adapter_options
     from .loader import load
     from .prefill import DEFAULT_SEGMENT_TOKENS
 
+    options = {**adapter_options(getattr(args, "adapter", None)), **options}
     return load(
         args.model,
         device=args.device,
@@ -576,6 +578,16 @@ def command_eval_labelled(args: argparse.Namespace) -> int:
     from .evaluate import evaluate_labelled, labelled_markdown
     from .plots import reliability_figure
 
+    if args.adapter:  # base vs tuned, side by side, from one copy of the base
+        from .checkpoint.adapters import side_by_side
+        from .evaluate import base_vs_tuned_markdown, evaluate_base_vs_tuned
+
+        name, adapters = side_by_side(args.adapter)
+        args.adapter = None
+        report = evaluate_base_vs_tuned(args.file, load_model(args, adapters=adapters), name)
+        figure = ("reliability.png", lambda: reliability_figure(report["tuned"]["reliability"]))
+        write_report(args, report, base_vs_tuned_markdown(report), figure)
+        return 0
     report = evaluate_labelled(args.file, lambda: load_model(args))
     write_report(args, report, labelled_markdown(report), ("reliability.png", lambda: reliability_figure(report["reliability"])))
     return 0
@@ -601,6 +613,13 @@ def command_info(args: argparse.Namespace) -> int:
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "default_precision": {kind: {"precision": value.name, "why": value.reason} for kind, value in defaults.items()},
     }
+    if args.adapter:  # checked against --model's config, the base not built
+        from .checkpoint import open_checkpoint
+        from .checkpoint.adapters import adapter_name_of, adapter_options, read_adapters
+
+        options = adapter_options(args.adapter)
+        paths = {**({adapter_name_of(options["adapter"]): options["adapter"]} if "adapter" in options else {}), **options.get("adapters", {})}
+        report["adapters"] = [item.describe() for item in read_adapters(open_checkpoint(args.model), paths).values()]
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -620,18 +639,21 @@ def command_info(args: argparse.Namespace) -> int:
         print(f"W8A8 kernel  {name}: excluded, {why}")
     for kind, value in defaults.items():
         print(f"default      {kind}: {value.name} ({value.reason})")
+    for adapter in report.get("adapters", []):
+        print(f"adapter      {adapter['name']}: rank {adapter['rank']}, {adapter['projections']} projections, {adapter['bytes'] / 2**20:.1f} MiB ({adapter['path']})")
     return 0
 
 
 def command_bench(args: argparse.Namespace) -> int:
     from .batch import read_jsonl
     from .bench import bench, format_bench, generated_requests
+    from .checkpoint.adapters import adapter_options
     from .loader import load
 
     requests = [request for _, request in read_jsonl(args.requests)] if args.requests else None
     if args.random:
         source = f"random:{args.random}" + (f":{args.seed}" if args.seed else "")
-        model = load(source, device=args.device, precision=args.precision)
+        model = load(source, device=args.device, precision=args.precision, **adapter_options(args.adapter))
     else:
         model = load_model(args)
     if requests is None:
@@ -758,6 +780,15 @@ MODEL_ARGUMENTS = (
     arg("--revision", help="hub revision (branch, tag or commit) for a repo id"),
 )
 
+ADAPTER = arg(
+    "--adapter",
+    action="append",
+    metavar="[NAME=]DIR",
+    help="a clef-finetune checkpoint (adapter/ + joint_head.safetensors) run beside the base: DIR answers as the "
+    "fine-tune; NAME=DIR (repeat it for many) answers the requests whose 'adapter' field is NAME, the others get "
+    "the base. eval labelled: the base and the tuned model side by side",
+)
+
 DEVICE_ARGUMENTS = (
     arg("--device", env="CLEF_FLASH_DEVICE", default="auto", help="auto, cpu or cuda"),
     arg(
@@ -767,6 +798,7 @@ DEVICE_ARGUMENTS = (
         help="default: the fastest qualified path on this machine (see `clef-flash info`; model/precision.py)",
     ),
     arg("--verify", action="store_true", help="check a bundle's sha256 checksums before loading"),
+    ADAPTER,
     arg(
         "--resident-layers",
         type=positive_int,
@@ -895,6 +927,8 @@ COMMANDS = (
         (
             arg("--json", action="store_true", help="print one JSON object"),
             arg("--reprobe", action="store_true", help="measure the rates again instead of reading the cached probe"),
+            *MODEL_ARGUMENTS,
+            ADAPTER,
         ),
     ),
     Command(
@@ -1120,6 +1154,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "ray", False) and getattr(args, "adapter", None):
+        print("error: --adapter does not run on Ray yet (its workers load the base alone)", file=sys.stderr)
+        return 2
     try:
         return args.run(args)
     except RequestInvalid as error:

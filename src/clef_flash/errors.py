@@ -112,3 +112,19 @@ def no_vision_tower(has_images: bool) -> RequestInvalid:
     """A record with images (else videos) for a model source without a vision tower."""
     field = "images" if has_images else "videos"
     return media_unsupported(field, "this model source has no vision tower (model.visual.*): it answers text only")
+
+
+def adapter_not_loaded(name: str, loaded: list[str]) -> RequestInvalid:
+    """A request naming an adapter (clef-flash's own `adapter` field) that this model did not load."""
+    served = ", ".join(map(repr, loaded)) if loaded else "none"
+    return RequestInvalid(
+        [
+            {
+                "type": "adapter_not_loaded",
+                "loc": ["body", "adapter"],
+                "msg": f"adapter {name!r} is not loaded here; loaded: {served} (leave 'adapter' out for the default model)",
+                "input": name,
+                "ctx": {"loaded": loaded},
+            }
+        ]
+    )

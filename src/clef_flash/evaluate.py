@@ -47,14 +47,17 @@ def score_requests(model: Clef, lines: Sequence[tuple[int, Any]], *, where: str)
     records = []
     for number, request in lines:
         try:
-            records.append(model.encode(request))
+            records.append(model.prepare(request).record)  # with its adapter (the request's, else the model's default)
         except RequestInvalid as error:
             raise ClefError(f"{where} line {number}: {error}") from error
     return model.score(records)
 
 
 def describe_model(model: Clef) -> dict[str, Any]:
-    return {"source": model.source, "precision": model.precision, "random": model.is_random}
+    described = {"source": model.source, "precision": model.precision, "random": model.is_random}
+    if model.adapters:
+        described["adapters"] = model.adapters
+    return described
 
 
 def evaluate_agreement(
@@ -85,6 +88,38 @@ def evaluate_labelled(path: str | Path, load_model: Callable[[], Clef]) -> dict[
     results = score_requests(model, lines, where=str(path))
     predictions = predictions_of(lines, expected, results)
     return {"file": str(path), "model": describe_model(model), "records": len(lines), **labelled_report(predictions)}
+
+
+def evaluate_base_vs_tuned(path: str | Path, model: Clef, adapter: str) -> dict[str, Any]:
+    """The labelled report of the base and of `adapter` side by side (as clef-finetune's comparison), from one
+    model that serves both (the adapter kept apart from one copy of the base)."""
+    lines, expected = read_labelled(path)
+    reports = {}
+    for side, name in (("base", None), ("tuned", adapter)):
+        sided = [(number, {**request, "adapter": name} if name else {k: v for k, v in request.items() if k != "adapter"}) for number, request in lines]
+        results = score_requests(model, sided, where=str(path))
+        reports[side] = labelled_report(predictions_of(sided, expected, results))
+    return {"file": str(path), "model": describe_model(model), "adapter": adapter, "records": len(lines), **reports}
+
+
+def base_vs_tuned_markdown(report: dict[str, Any]) -> str:
+    """Base and tuned metrics per question, with the change (lower is better for log-loss, Brier and ECE)."""
+    lines = [
+        "# clef-flash eval: base vs tuned",
+        "",
+        f"model: {model_label(report['model'])}; adapter {report['adapter']!r}; {report['records']} records from {report['file']}",
+        "",
+        "| question | n | metric | base | tuned | change |",
+        "|---|---:|---|---:|---:|---:|",
+    ]
+    base, tuned = report["base"], report["tuned"]
+    rows = [("overall", base, tuned)] + [(q, base["by_question"][q], tuned["by_question"][q]) for q in tuned["by_question"]]
+    for question, before, after in rows:
+        for metric in ("accuracy", "macro_f1", "log_loss", "brier", "ece"):
+            lines.append(
+                f"| {question} | {after['questions']} | {metric} | {before[metric]:.4f} | {after[metric]:.4f} | {after[metric] - before[metric]:+.4f} |"
+            )
+    return "\n".join(lines + ["", "Lower is better for log-loss, Brier and ECE."]) + "\n"
 
 
 def decision(probabilities: Sequence[float]) -> int:

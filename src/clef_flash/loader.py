@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 import torch
 
@@ -62,6 +63,8 @@ def load(
     segment_tokens: int = DEFAULT_SEGMENT_TOKENS,
     state_cache_mb: float | None = None,
     coreml_runner: str | Runner | None = None,
+    adapter: str | os.PathLike[str] | None = None,
+    adapters: Mapping[str, str | os.PathLike[str]] | None = None,
 ) -> Clef:
     """Load a model: a release or bundle directory, a Core ML export, a Hugging Face repo id, "tiny" (a
     generated random release) or "random:NAME[:SEED]" (random weights drawn in memory; names in RANDOM_CONFIGS).
@@ -77,19 +80,41 @@ def load(
     memory, at most 4 GiB; 0: off (records of one call still share their states).
     A Core ML export runs as exported (no `precision`); `coreml_runner`: "coreml" (the default; macOS only)
     or "torch" (its traced fp32 twins, rebuilt from the source it was exported from).
+    `adapter`: a clef-finetune checkpoint directory (adapter/ + joint_head.safetensors) that answers as the
+    fine-tune does (merged into 16/32-bit weights; kept apart beside int8 ones). `adapters`: name -> checkpoint
+    directory, loaded beside one copy of the base; a request picks one by its `adapter` field (left out: the
+    `adapter` given here, else the base). Strict: an adapter for another base, without its head, or with a PEFT
+    option that is not plain LoRA is refused (checkpoint/adapters.py).
     """
+    from .checkpoint.adapters import adapter_name_of, read_adapters
     from .engine.coreml_backend import CoreMLBackend
     from .engine.torch_backend import TorchBackend
+
+    paths = {name: os.fspath(path) for name, path in (adapters or {}).items()}
+    default_adapter = None
+    if adapter is not None:
+        default_adapter = adapter_name_of(adapter)
+        if paths.get(default_adapter, os.fspath(adapter)) != os.fspath(adapter):
+            raise ClefError(f"two adapters are named {default_adapter!r}: name the default one apart (adapters={{NAME: DIR}})")
+        paths[default_adapter] = os.fspath(adapter)
 
     checkpoint = open_checkpoint(source, revision=revision, verify=verify)
     plan = plan_of(checkpoint, device=device, precision=precision, coreml_runner=coreml_runner)
     if plan.backend == COREML:
+        if paths:
+            raise ClefError(f"{checkpoint.where} is a Core ML export: adapters run on the torch backend (load the release)")
         backend = CoreMLBackend(checkpoint, runner=coreml_runner or "coreml", verify=verify)
     else:
-        backend = TorchBackend(checkpoint, plan, resident_layers=resident_layers, segment_tokens=segment_tokens)
+        read = read_adapters(checkpoint, paths) if paths else None  # checked before the base is built
+        backend = TorchBackend(
+            checkpoint, plan, resident_layers=resident_layers, segment_tokens=segment_tokens, adapters=read, default_adapter=default_adapter
+        )
     cache_mb = default_state_cache_mb() if state_cache_mb is None else state_cache_mb
     if cache_mb < 0:
         raise ClefError(f"state_cache_mb must be 0 (off) or more, not {cache_mb}")
     identity = "|".join(map(str, (checkpoint.source, checkpoint.fingerprint, checkpoint.weights_fingerprint, backend.plan.key)))
+    loaded = getattr(backend, "adapters", None)
+    if loaded is not None:  # a merged adapter changes the decoder; the others' states are keyed by name too
+        identity += "|" + ",".join(f"{name}={item.fingerprint}" for name, item in loaded.adapters.items()) + f"|merged={loaded.merged}"
     engine = Engine(backend, StateCache(int(cache_mb * MEBIBYTE), identity), batch_tokens=batch_tokens, keep_from_tokens=KEEP_FROM_TOKENS)
     return Clef(checkpoint, engine, max_length=max_length)

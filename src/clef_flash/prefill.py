@@ -9,6 +9,7 @@ the head's memory rows (kept by the callback); state_cache.py gives both per tok
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -26,6 +27,9 @@ DEFAULT_SEGMENT_TOKENS = 2048
 # on_segment(hidden [B', L, D], rows: indices into the rows given, starts: tokens of each row before this
 # step, counts: real tokens of each row in this step)
 OnSegment = Callable[[torch.Tensor, list[int], list[int], list[int]], None]
+# route(rows: indices into the rows given, counts, width) -> the context a step's decoder call runs in (which
+# adapter each row takes: model/lora.py)
+Route = Callable[[list[int], list[int], int], contextlib.AbstractContextManager]
 
 
 @dataclass(frozen=True)
@@ -49,13 +53,15 @@ def run_segments(
     state: DecoderState | None = None,
     keep_states: bool = False,
     media: Sequence[RowMedia | None] | None = None,
+    route: Route | None = None,
 ) -> list[DecoderState] | None:
     """Run every row's tokens (row i continuing from row i of `state`, if given) in steps of `segment`.
 
     `media[i]` (rows with images, run from their start): image features replace the pad tokens' embeddings
     and the rows of the step take 3-D positions (text rows their plain ones, equal on the three axes).
 
-    With `keep_states`, returns each row's final state on its own (compact; what a cache keeps).
+    With `keep_states`, returns each row's final state on its own (compact; what a cache keeps). `route`: the
+    context each step runs in (the rows' adapters).
     """
     if segment < 1:
         raise ValueError(f"segment must be at least 1 token, not {segment}")
@@ -77,7 +83,8 @@ def run_segments(
         inputs = {}
         if media is not None and any(media[index] is not None for index in active):
             inputs = media_inputs(decoder, input_ids.to(device), [media[index] for index in active], [past_of[index] + done[index] for index in active], counts)
-        output = decoder(input_ids.to(device), counts, state=state, return_state=return_state, reserve=reserve, **inputs)
+        with contextlib.nullcontext() if route is None else route(active, counts, input_ids.shape[1]):
+            output = decoder(input_ids.to(device), counts, state=state, return_state=return_state, reserve=reserve, **inputs)
         hidden, state = output if return_state else (output, None)
         on_segment(hidden, active, [done[index] for index in active], counts)
         del hidden, output

@@ -94,13 +94,16 @@ class StateCache:
     def enabled(self) -> bool:
         return self.max_bytes > 0
 
-    def key(self, token_ids: Sequence[int], media: str | None = None) -> str:
-        """The key of a token sequence (and of the digest of its images, if any) for this model, precision and device."""
+    def key(self, token_ids: Sequence[int], media: str | None = None, adapter: str | None = None) -> str:
+        """The key of a token sequence (and of the digest of its images, if any) for this model, precision and device,
+        under `adapter` (a loaded adapter's name; None: the base): a state is never shared between adapters."""
         digest = hashlib.sha256(self.identity.encode())
         digest.update(b"\0")
         digest.update(torch.tensor(list(token_ids), dtype=torch.int64).numpy().tobytes())
         if media:
             digest.update(b"\0images:" + media.encode())
+        if adapter is not None:
+            digest.update(b"\0adapter:" + adapter.encode())
         return digest.hexdigest()
 
     def get(self, key: str) -> CachedState | None:

@@ -77,7 +77,11 @@ class Engine:
         results: list[list[QuestionResult] | None] = [None] * len(records)
         cache = self.state_cache
         # A record with images keys on their bytes too: same-size images have the same pad tokens.
-        keys = [cache.key(record.input_ids[: state_end(record)], media=record.media and record.media.digest) for record in records]
+        # ... and on its adapter: a fine-tune's state (its decoder's, its head's memory rows) is its own.
+        keys = [
+            cache.key(record.input_ids[: state_end(record)], media=record.media and record.media.digest, adapter=record.adapter)
+            for record in records
+        ]
         shared = Counter(keys)
         reuse = self.backend.state_reuse_unsupported is None
         keyed = [
@@ -137,6 +141,9 @@ class Engine:
         for group in self.pack(list(range(len(keys))), [len(row) for row in rows]):
             media = [records[keys[index]].media for index in group]
             with_media = {"media": media} if any(item is not None for item in media) else {}
+            adapters = [records[keys[index]].adapter for index in group]
+            if any(name is not None for name in adapters):  # only a backend that checked them sees adapters
+                with_media["adapters"] = adapters
             ran = self.backend.run_states([rows[index] for index in group], timings, **with_media)
             for index, entry in zip(group, ran):
                 kept[keys[index]] = entry

@@ -5,18 +5,23 @@ padding away from real tokens, so a record's logits do not depend on its neighbo
 Long records run in segments (prefill.py), so memory grows with a record only by its K/V and the head's
 memory rows. A kept state (state_cache.CachedState) is the decoder's state after the prefix + state and the
 head's memory rows of those tokens.
+
+Adapters (checkpoint/adapters.py, model/lora.py): each record names its fine-tune (`EncodedRecord.adapter`); one
+decoder forward runs records of different adapters (routed per row inside the projections), and each adapter's
+group of records reads its own head.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from ..checkpoint import Checkpoint, ModelParts, build_model
-from ..errors import ClefError, no_vision_tower
+from ..checkpoint.adapters import AdapterCheckpoint, LoadedAdapters, install_adapters
+from ..errors import ClefError, adapter_not_loaded, no_vision_tower
 from ..model.head_batch import build_head_batch, softmax_per_question, split_logits
 from ..model.joint_head import FeatureBuilder
 from ..model.qwen3_5 import DecoderState
@@ -39,7 +44,11 @@ class TorchBackend:
         *,
         resident_layers: int | None = None,
         segment_tokens: int = DEFAULT_SEGMENT_TOKENS,
+        adapters: Mapping[str, AdapterCheckpoint] | None = None,
+        default_adapter: str | None = None,
     ):
+        """`adapters`: clef-finetune checkpoints by name (checkpoint.adapters.read_adapters), run beside the base;
+        `default_adapter`: the one a record that names none takes (None: the base)."""
         if segment_tokens < 1:
             raise ClefError(f"segment_tokens must be at least 1, not {segment_tokens}")
         self.plan = plan
@@ -48,32 +57,58 @@ class TorchBackend:
         self.pad_id = checkpoint.tokenizer.pad_id
         self.segment_tokens = segment_tokens
         self._empty_state: DecoderState | None = None
+        self.adapters: LoadedAdapters | None = None
+        if adapters:
+            self.adapters = install_adapters(self.parts, plan, adapters, default=default_adapter, resident_layers=resident_layers)
 
     def check(self, record: EncodedRecord) -> None:
         """Any record within the token limit runs here (the limit is checked when it is encoded); one with
-        images or videos needs the source's vision tower."""
+        images or videos needs the source's vision tower; one with an adapter, that adapter loaded."""
         if record.media is not None and self.parts.vision is None:
             raise no_vision_tower(bool(record.media.image_count))
+        if record.adapter is not None and (self.adapters is None or record.adapter not in self.adapters.adapters):
+            raise adapter_not_loaded(record.adapter, [] if self.adapters is None else list(self.adapters.adapters))
 
     def describe(self) -> dict[str, Any]:
-        return {"segment_tokens": self.segment_tokens}
+        described: dict[str, Any] = {"segment_tokens": self.segment_tokens}
+        if self.adapters is not None:
+            described["adapters"] = self.adapters.describe()
+        return described
+
+    def head_of(self, adapter: str | None):
+        """The joint head a record of `adapter` (None: the base) is scored by."""
+        return self.parts.head if self.adapters is None else self.adapters.heads[adapter]
+
+    def _route(self, names: Sequence[str | None]):
+        """run_segments' `route` for rows of these adapters (None: no adapter is kept apart)."""
+        bank = None if self.adapters is None else self.adapters.bank
+        if bank is None:
+            return None
+        slots = [bank.slot_of(name) for name in names]
+        return lambda active, counts, width: bank.route([slots[index] for index in active], counts, width)
 
     def state_nbytes(self, tokens: int) -> int:
         return self.parts.decoder.state_nbytes(tokens) + tokens * self.parts.head.config.width * 4
 
     def run_states(
-        self, rows: Sequence[Sequence[int]], timings: Timings, media: Sequence[RecordMedia | None] | None = None
+        self,
+        rows: Sequence[Sequence[int]],
+        timings: Timings,
+        media: Sequence[RecordMedia | None] | None = None,
+        adapters: Sequence[str | None] | None = None,
     ) -> list[CachedState]:
-        """Run each row (a prefix + state, with its record's images) and keep its decoder state and the head's
-        memory rows."""
+        """Run each row (a prefix + state, with its record's images, through its adapter) and keep its decoder
+        state and its head's memory rows."""
         memory: list[list[torch.Tensor]] = [[] for _ in rows]
         clock = HeadClock(timings)
+        names = [None] * len(rows) if adapters is None else list(adapters)
 
         def keep_memory(hidden, active, starts, counts):
             with clock:
-                _, rows_memory = self.parts.head.read(hidden)  # [B', L, w]
-                for row, index in enumerate(active):
-                    memory[index].append(rows_memory[row, : counts[row]])
+                for name, picked in _by_adapter([names[index] for index in active]):
+                    _, rows_memory = self.head_of(name).read(_rows_of(hidden, picked, len(active)))  # [B'', L, w]
+                    for row, position in enumerate(picked):
+                        memory[active[position]].append(rows_memory[row, : counts[position]])
 
         started = time.perf_counter()
         states = run_segments(
@@ -85,6 +120,7 @@ class TorchBackend:
             on_segment=keep_memory,
             keep_states=True,
             media=None if media is None else self._media(rows, media, [False] * len(rows)),
+            route=self._route(names),
         )
         kept = [CachedState(state, torch.cat(pieces), len(row)) for state, pieces, row in zip(states, memory, rows)]
         self._sync()
@@ -94,21 +130,49 @@ class TorchBackend:
     def forward(
         self, records: Sequence[EncodedRecord], entries: Sequence[CachedState | None], timings: Timings
     ) -> list[list[QuestionResult]]:
-        """Records from their kept states (or from the start) to the end, then the head."""
+        """Records from their kept states (or from the start) to the end, then the head: one decoder pass for
+        all, each adapter's records then read by its own head. Records run ordered by adapter (each adapter's
+        tokens one slice in the projections), answered in the order given."""
+        order = sorted(range(len(records)), key=lambda index: (records[index].adapter is not None, records[index].adapter or ""))
+        if order == list(range(len(records))):
+            return self._forward(records, entries, timings)
+        ran = self._forward([records[index] for index in order], [entries[index] for index in order], timings)
+        results: list[list[QuestionResult]] = [[] for _ in records]
+        for position, index in enumerate(order):
+            results[index] = ran[position]
+        return results
+
+    def _forward(
+        self, records: Sequence[EncodedRecord], entries: Sequence[CachedState | None], timings: Timings
+    ) -> list[list[QuestionResult]]:
         start = time.perf_counter()
         clock = HeadClock(timings)
+        names = [record.adapter for record in records]
         lengths = [record.token_count for record in records]
-        head_batch = build_head_batch(records, self.device)
-        # records from one kept state share its memory rows (the head attends to them once for all)
-        builder = FeatureBuilder(self.parts.head, head_batch, lengths, self.device, [None if entry is None else entry.memory for entry in entries])
         starts = [0 if entry is None else entry.tokens for entry in entries]
+        groups = []  # (adapter, its records' indices, their head batch, their feature builder)
+        for name, members in _by_adapter(names):
+            head_batch = build_head_batch([records[index] for index in members], self.device)
+            # records from one kept state share its memory rows (the head attends to them once for all)
+            prefixes = [None if entries[index] is None else entries[index].memory for index in members]
+            builder = FeatureBuilder(self.head_of(name), head_batch, [lengths[index] for index in members], self.device, prefixes)
+            groups.append((name, members, head_batch, builder))
+        local = {index: (group, position) for group, (_, members, _, _) in enumerate(groups) for position, index in enumerate(members)}
         state = None
         if any(entry is not None for entry in entries):
             state = DecoderState.stack([self._empty() if entry is None else entry.decoder for entry in entries])
 
         def read(hidden, rows, done, counts):
             with clock:
-                builder.add(hidden, rows, [starts[row] + offset for row, offset in zip(rows, done)], counts)
+                for group, (_, _, _, builder) in enumerate(groups):
+                    picked = [position for position, row in enumerate(rows) if local[row][0] == group]
+                    if picked:
+                        builder.add(
+                            _rows_of(hidden, picked, len(rows)),
+                            [local[rows[position]][1] for position in picked],
+                            [starts[rows[position]] + done[position] for position in picked],
+                            [counts[position] for position in picked],
+                        )
 
         run_segments(
             self.parts.decoder,
@@ -119,22 +183,24 @@ class TorchBackend:
             on_segment=read,
             state=state,
             media=self._media([record.input_ids for record in records], [record.media for record in records], [entry is not None for entry in entries]),
+            route=self._route(names),
         )
         self._sync()
         clock.close(time.perf_counter() - start)
         decoded = time.perf_counter()
-        logits = self.parts.head.score(builder.features(), head_batch, self.parts.lm_head)  # [No]
-        probabilities = softmax_per_question(logits, head_batch)
-        per_record_logits = split_logits(logits.double().cpu(), head_batch)
-        per_record_probabilities = split_logits(probabilities.double().cpu(), head_batch)
+        results: list[list[QuestionResult]] = [[] for _ in records]
+        for name, members, head_batch, builder in groups:
+            logits = self.head_of(name).score(builder.features(), head_batch, self.parts.lm_head)  # [No]
+            probabilities = softmax_per_question(logits, head_batch)
+            per_record_logits = split_logits(logits.double().cpu(), head_batch)
+            per_record_probabilities = split_logits(probabilities.double().cpu(), head_batch)
+            for index, record_logits, record_probabilities in zip(members, per_record_logits, per_record_probabilities):
+                results[index] = [
+                    QuestionResult(question.question_id, question.option_ids, tuple(q_logits.tolist()), tuple(q_probabilities.tolist()))
+                    for question, q_logits, q_probabilities in zip(records[index].questions, record_logits, record_probabilities)
+                ]
         timings.head_ms += (time.perf_counter() - decoded) * 1000
-        return [
-            [
-                QuestionResult(question.question_id, question.option_ids, tuple(q_logits.tolist()), tuple(q_probabilities.tolist()))
-                for question, q_logits, q_probabilities in zip(record.questions, record_logits, record_probabilities)
-            ]
-            for record, record_logits, record_probabilities in zip(records, per_record_logits, per_record_probabilities)
-        ]
+        return results
 
     def _media(
         self, rows: Sequence[Sequence[int]], media: Sequence[RecordMedia | None], continuing: Sequence[bool]
@@ -149,3 +215,18 @@ class TorchBackend:
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+def _by_adapter(names: Sequence[str | None]) -> list[tuple[str | None, list[int]]]:
+    """Positions grouped by adapter, in order of first appearance."""
+    groups: dict[str | None, list[int]] = {}
+    for position, name in enumerate(names):
+        groups.setdefault(name, []).append(position)
+    return list(groups.items())
+
+
+def _rows_of(hidden: torch.Tensor, picked: list[int], rows: int) -> torch.Tensor:
+    """Rows `picked` of hidden [B, L, D] (all of them: hidden itself, no copy)."""
+    if len(picked) == rows:
+        return hidden
+    return hidden.index_select(0, torch.tensor(picked, device=hidden.device))

@@ -506,6 +506,14 @@ class SystemOneRequest(BaseModel):
     images: Images = None
     videos: Videos = None
     assets: _media_validator("assets", "images_unsupported", "image assets") = None
+    adapter: Annotated[str, AfterValidator(_check_text)] | None = Field(
+        default=None,
+        description=(
+            "clef-flash's own field (not System One's): the fine-tune that answers, by the name of a clef-finetune "
+            "adapter loaded beside the base (`clef-flash serve --adapter NAME=DIR`; GET /health lists them). Left out: "
+            "the default model (the base, unless an adapter was loaded as the default)."
+        ),
+    )
 
     def to_record(self) -> dict[str, Any]:
         """The normalized record the encoder renders, as the reference `encode_record` reads it.
@@ -535,9 +543,10 @@ class SystemOneRequest(BaseModel):
         return record
 
 
-def served_request(names: Sequence[str]) -> type[SystemOneRequest]:
+def served_request(names: Sequence[str], adapters: Sequence[str] = ()) -> type[SystemOneRequest]:
     """`SystemOneRequest` for a server that serves the model under `names` (the first is its own):
-    `model` must be one of them, `""` or left out, else `model_not_served`; its schema's `enum` says so."""
+    `model` must be one of them, `""` or left out, else `model_not_served`; its schema's `enum` says so.
+    `adapters`: the adapters loaded; `adapter` must be one of them or left out, else `adapter_not_loaded`."""
     accepted = (*names, "")
     message = f"this server serves {names[0]!r}; 'model' must be one of {', '.join(map(repr, names))} or left out"
 
@@ -552,7 +561,28 @@ def served_request(names: Sequence[str]) -> type[SystemOneRequest]:
         __base__=SystemOneRequest,
         __doc__=SystemOneRequest.__doc__,
         model=(served_name | None, Field(default=None, description="The served model, or none; echoed in the response.")),
+        adapter=_served_adapter(adapters),
     )
+
+
+def _served_adapter(adapters: Sequence[str]) -> tuple[Any, Any]:
+    """The `adapter` field of a server that loaded `adapters`: an enum of their names (none: the field must be left out)."""
+    loaded = list(adapters)
+    listed = ", ".join(map(repr, loaded)) if loaded else "none"
+
+    def check(name: str) -> str:
+        if name not in loaded:
+            raise PydanticCustomError(
+                "adapter_not_loaded",
+                f"adapter {name!r} is not loaded here; loaded: {listed} (leave 'adapter' out for the default model)",
+                {"loaded": loaded},
+            )
+        return name
+
+    schema = {"type": "string", "enum": loaded} if loaded else {"type": "string", "enum": [], "description": "no adapter is loaded"}
+    loaded_name = Annotated[str, AfterValidator(check), WithJsonSchema(schema)]
+    field = SystemOneRequest.model_fields["adapter"]
+    return (loaded_name | None, Field(default=None, description=field.description))
 
 
 class NoulAnswer(BaseModel):

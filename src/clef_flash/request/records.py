@@ -144,6 +144,7 @@ class EncodedRecord:
     suffix_tokens: int
     state_tokens_dropped: int = 0  # > 0 only with truncate_state=True
     media: RecordMedia | None = None  # images (their tokens are part of prefix_tokens)
+    adapter: str | None = None  # the fine-tune (a loaded adapter's name) that scores it; None: the base
 
     @property
     def token_count(self) -> int:

@@ -280,7 +280,7 @@ class SystemOneServer:
         self.parse_budget = ParseBudget(settings.max_parsing_bytes, settings.max_parsing, settings.retry_after_s)
         self.batcher = make_batcher(model, self.metrics, settings)
         self.served_names = served_names(model)
-        self.request_type = served_request(self.served_names)  # validates bodies; /openapi.json publishes it
+        self.request_type = served_request(self.served_names, model.adapters)  # validates bodies; /openapi.json publishes it
         self.sets = SetStore(settings.sets_dir)
         self.status = "starting"  # -> warming_up -> ready -> shutting_down, or failed (warm_up_error says why)
         self.warm_up_error: str | None = None

@@ -159,7 +159,7 @@ class ToolServer:
         self.settings = settings or ServerSettings()
         self.sets = sets or SetStore(self.settings.sets_dir)
         self.served_names = served_names(model)
-        self.request_type = served_request(self.served_names)  # `model`: one of the served names, as the server
+        self.request_type = served_request(self.served_names, model.adapters)  # `model`: one of the served names, as the server
         self.metrics = ServerMetrics(queue_depth=lambda: self.batcher.depth, cache_stats=lambda: model.state_cache.stats)
         self.batcher = build_batcher(model, self.metrics, self.settings)
         self.server: Server[dict[str, Any]] = Server(
@@ -191,7 +191,7 @@ class ToolServer:
                 description="Answer typed questions about a state: a System One request (state; questions of type "
                 "noul = yes/no, choice = one of labels, score = an ordered rubric) -> a probability for every "
                 f"option{random}",
-                input_schema=SystemOneRequest.model_json_schema(),
+                input_schema=SystemOneRequest.model_json_schema(),  # `adapter` included: a name `clef-flash mcp --adapter` loaded
                 output_schema=response,
             ),
             types.Tool(
