@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import io
 import math
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +48,7 @@ from . import EngineSpec, connect, require_ray
 READ_CPUS = 0.25  # each read task's share: reading is light, and must not wait behind the scorers
 BLOCKS_PER_READ = 16  # input blocks per read task: few tasks, each streaming its blocks one by one
 RESERVED_CPUS = 0.5  # what the default leaves for the read tasks and the driver on the smallest node
+ENGINES_LOADED_S = 600  # the longest the scoring actors may take to load their engines (a 9B from a cold disk)
 
 
 @dataclass(frozen=True)
@@ -146,8 +148,11 @@ class BlockScorer:
     """A Ray Data actor: one engine, built once from the spec; scores one block per call."""
 
     def __init__(self, spec: EngineSpec, schemas: list[dict[str, Any]]):
+        import ray
+
         self.model = spec.load()
         self.schemas = schemas
+        self.node = ray.get_runtime_context().get_node_id()  # where this engine runs: the run's provenance
 
     def __call__(self, batch: Any) -> Any:
         import pyarrow as pa
@@ -168,14 +173,17 @@ class BlockScorer:
                 "schema": pa.array(schemas, pa.list_(pa.int64())),
                 "output": pa.array(outputs, pa.list_(pa.binary())),
                 "error": pa.array(errors, pa.list_(pa.bool_())),
+                "node": pa.array([self.node] * len(blocks), pa.string()),
             }
         )
 
 
-def scored_blocks(tables: Any) -> Iterator[list[OutputLine]]:
-    """The scorers' tables, as the output lines of each block."""
+def scored_blocks(tables: Any, nodes: Counter[str] | None = None) -> Iterator[list[OutputLine]]:
+    """The scorers' tables, as the output lines of each block; `nodes` counts the lines each Ray node scored."""
     for table in tables:
         for block in table.to_pylist():
+            if nodes is not None:
+                nodes[block["node"]] += len(block["line"])
             yield [((line, schema), output, error) for line, schema, output, error in zip(block["line"], block["schema"], block["output"], block["error"])]
 
 
@@ -213,10 +221,12 @@ def run_ray_batch(
     gpus_per_worker: float = 0.0,
     address: str | None = None,
     progress: ProgressBar | None = None,
+    nodes: Counter[str] | None = None,
 ) -> Summary:
     """Score what `job`'s output lacks on Ray (joining `address`, or starting a local cluster) and
     append it as `job.run` would. Each worker runs `spec` with max(1, round(cpus_per_worker)) threads
-    unless the spec says otherwise."""
+    unless the spec says otherwise. `nodes`, when given, counts the lines each Ray node id scored
+    (scored, not written: a block scored twice after a failure counts twice)."""
     require_ray()
     connect(address)
     import ray.data
@@ -242,7 +252,7 @@ def run_ray_batch(
         )
         tables = dataset.iter_batches(batch_size=None, batch_format="pyarrow") if blocks else iter(())
         try:
-            return job.append(scored_blocks(tables), progress)
+            return job.append(scored_blocks(tables, nodes), progress)
         except ray.exceptions.RayError as error:
             raise ClefError(f"a Ray worker failed: {worker_failure(error)}") from error
 
@@ -250,20 +260,28 @@ def run_ray_batch(
 @contextlib.contextmanager
 def ordered_execution() -> Iterator[None]:
     """Ray Data's process-wide context, for this job only: blocks in input order, no progress bars (ours
-    counts lines), no execution banner; what it was is put back afterwards."""
+    counts lines), no execution banner, every engine loaded before the first block is handed out; what it
+    was is put back afterwards."""
     import ray.data
     from ray.util.debug import log_once
 
     context = ray.data.DataContext.get_current()
-    before = (context.execution_options.preserve_order, context.enable_progress_bars, context.print_on_execution_start)
+    fields = ("enable_progress_bars", "print_on_execution_start", "wait_for_min_actors_s")
+    before = (context.execution_options.preserve_order, *(getattr(context, name) for name in fields))
     context.execution_options.preserve_order = True
     context.enable_progress_bars = False
     context.print_on_execution_start = False
+    # Ray Data's default hands blocks to the first engine loaded: on several nodes one that loads first took every
+    # block while the others were still loading. Waiting spreads the work, and a pool the cluster cannot hold fails
+    # after this many seconds instead of waiting forever.
+    context.wait_for_min_actors_s = ENGINES_LOADED_S
     log_once("ray_data_progress_manager_disabled")  # and Ray Data need not warn that they are off
     try:
         yield
     finally:
-        context.execution_options.preserve_order, context.enable_progress_bars, context.print_on_execution_start = before
+        context.execution_options.preserve_order = before[0]
+        for name, value in zip(fields, before[1:]):
+            setattr(context, name, value)
 
 
 def worker_failure(error: Exception) -> str:
