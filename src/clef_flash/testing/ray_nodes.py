@@ -16,7 +16,10 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -147,4 +150,150 @@ class LocalNodes:
             time.sleep(0.05)
 
 
-__all__ = ["LocalNodes", "Node", "free_port"]
+
+
+# -- what the tests and the benchmark run on such a cluster (its driver connected: `ray.init(address=nodes.address)`) --
+
+
+def node_ids() -> dict[str, str]:
+    """node name (its custom resource) -> Ray node id, of the live nodes."""
+    import ray
+
+    return {name: node["NodeID"] for node in ray.nodes() if node["Alive"] for name in node["Resources"] if name in ("head", "worker")}
+
+
+def wait_for(condition: Callable[[], bool], seconds: float, what: str) -> float:
+    """Seconds until `condition()` holds; an AssertionError naming `what` after `seconds`."""
+    started = time.monotonic()
+    while not condition():
+        assert time.monotonic() - started < seconds, f"{what}: not within {seconds} s"
+        time.sleep(0.2)
+    return time.monotonic() - started
+
+
+class KillTheWorkerNode:
+    """A batch progress meter that kills the worker node's raylet once both nodes have scored lines (`nodes`: the
+    Counter `run_ray_batch` fills)."""
+
+    def __init__(self, cluster: LocalNodes, nodes: Counter[str]):
+        self.cluster, self.nodes, self.lines = cluster, nodes, 0
+        self.killed_after: int | None = None
+        self.ids = node_ids()
+
+    def advance(self, lines: int) -> None:
+        self.lines += lines
+        if self.killed_after is None and set(self.ids.values()) <= set(self.nodes):
+            self.killed_after = self.lines
+            self.cluster.kill_node("worker")
+
+    def finish(self) -> None:
+        pass
+
+    def scored_by_name(self) -> dict[str, int]:
+        names = {node_id: name for name, node_id in self.ids.items()}
+        return {names.get(node, node): count for node, count in self.nodes.items()}
+
+
+def replicas_by_node(cpus_per_replica: float) -> dict[str, int]:
+    """node name -> Serve replicas on it, from its CPUs in use (one replica of `cpus_per_replica` > half a node each)."""
+    from ray._private.state import available_resources_per_node
+
+    free = available_resources_per_node()
+    return {name: int(free.get(node_id, {}).get("CPU", 1.0) <= 1.0 - cpus_per_replica + 1e-9) for name, node_id in node_ids().items()}
+
+
+def running_replicas() -> int:
+    from ray import serve
+
+    from ..distributed.ray_serve import APP_NAME
+
+    application = serve.status().applications.get(APP_NAME)
+    return 0 if application is None else application.deployments["ClefFlash"].replica_states.get("RUNNING", 0)
+
+
+@dataclass
+class Outcome:
+    status: int | str  # the HTTP status, "hang" (no answer within the timeout) or the client's exception
+    body: str
+    seconds: float
+    started: float  # time.monotonic()
+
+
+class Load:
+    """`clients` threads posting `request` every `pause` s. Light: on a 2-core machine the nodes' restarts must not starve."""
+
+    def __init__(self, url: str, request: dict, headers: dict, clients: int = 2, pause: float = 0.05, timeout: float = 30.0):
+        self.url, self.request, self.headers = url, request, headers
+        self.pause, self.timeout = pause, timeout
+        self.outcomes: list[Outcome] = []
+        self.stopping = threading.Event()
+        self.threads = [threading.Thread(target=self.client, daemon=True) for _ in range(clients)]
+
+    def client(self) -> None:
+        import httpx
+
+        with httpx.Client(timeout=self.timeout) as http:
+            while not self.stopping.is_set():
+                started = time.monotonic()
+                try:
+                    response = http.post(self.url + "/v1/systemone", json=self.request, headers=self.headers)
+                    status, body = response.status_code, response.text[:300]
+                except httpx.TimeoutException:
+                    status, body = "hang", ""
+                except httpx.HTTPError as error:
+                    status, body = type(error).__name__, str(error)[:300]
+                self.outcomes.append(Outcome(status, body, time.monotonic() - started, started))
+                time.sleep(self.pause)
+
+    def __enter__(self) -> Load:
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stopping.set()
+        for thread in self.threads:
+            thread.join(self.timeout + 5)
+
+
+@dataclass
+class ServeFault:
+    outcomes: list[Outcome]
+    killed: float  # when the worker node's raylet was killed (time.monotonic())
+    noticed_s: float  # kill -> Serve counts one replica running
+    restarted_s: float  # `ray start` of the worker node again -> both replicas running, one on each node
+    recovered: float  # when both were running again
+
+    def errors(self) -> list[Outcome]:
+        return [outcome for outcome in self.outcomes if outcome.status != 200]
+
+    def summary(self) -> str:
+        statuses = Counter(outcome.status for outcome in self.outcomes)
+        return (
+            f"{len(self.outcomes)} requests: {dict(statuses)}; slowest {max(o.seconds for o in self.outcomes):.2f} s; "
+            f"the lost replica noticed in {self.noticed_s:.1f} s; node started again -> both replicas serving in "
+            f"{self.restarted_s:.1f} s"
+        )
+
+
+def serve_through_a_lost_node(
+    cluster: LocalNodes, url: str, request: dict, headers: dict, *, cpus_per_replica: float, before_s: float = 2.0, alone_s: float = 2.0, after_s: float = 2.0
+) -> ServeFault:
+    """Under load (two replicas serving at `url`, one on each node): kill the worker node, serve on one replica for
+    `alone_s`, start the node again, wait until both replicas serve, go on for `after_s`."""
+    both = {"head": 1, "worker": 1}
+    with Load(url, request, headers) as load:
+        time.sleep(before_s)
+        killed = time.monotonic()
+        cluster.kill_node("worker")
+        noticed = wait_for(lambda: running_replicas() == 1, 60, "the lost replica noticed")
+        time.sleep(alone_s)
+        restarted = time.monotonic()
+        cluster.start("worker")
+        wait_for(lambda: running_replicas() == 2 and replicas_by_node(cpus_per_replica) == both, 120, "both replicas back")
+        recovered = time.monotonic()
+        time.sleep(after_s)
+    return ServeFault(load.outcomes, killed, noticed, recovered - restarted, recovered)
+
+
+__all__ = ["KillTheWorkerNode", "Load", "LocalNodes", "Node", "ServeFault", "free_port", "node_ids", "serve_through_a_lost_node", "wait_for"]
