@@ -86,6 +86,7 @@ def load(
     if plan.backend == COREML:
         backend = CoreMLBackend(checkpoint, runner=coreml_runner or "coreml", verify=verify)
     else:
+        resident_layers = resident_layers or plan.resident_layers  # the default streams what does not fit
         backend = TorchBackend(checkpoint, plan, resident_layers=resident_layers, segment_tokens=segment_tokens)
     cache_mb = default_state_cache_mb() if state_cache_mb is None else state_cache_mb
     if cache_mb < 0:
