@@ -47,6 +47,7 @@ from . import EngineSpec, connect, require_ray
 
 READ_CPUS = 0.25  # each read task's share: reading is light, and must not wait behind the scorers
 BLOCKS_PER_READ = 16  # input blocks per read task: few tasks, each streaming its blocks one by one
+READS_PER_WORKER = 4  # and at least this many read tasks per scoring actor, so that a small job reaches every actor
 RESERVED_CPUS = 0.5  # what the default leaves for the read tasks and the driver on the smallest node
 ENGINES_LOADED_S = 600  # the longest the scoring actors may take to load their engines (a 9B from a cold disk)
 
@@ -187,6 +188,13 @@ def scored_blocks(tables: Any, nodes: Counter[str] | None = None) -> Iterator[li
             yield [((line, schema), output, error) for line, schema, output, error in zip(block["line"], block["schema"], block["output"], block["error"])]
 
 
+def read_tasks(blocks: int, workers: int) -> int:
+    """How many read tasks read `blocks` input blocks: one per BLOCKS_PER_READ, and at least READS_PER_WORKER per
+    worker (each read task's blocks reach the scorers as one input, which one actor takes: with fewer inputs than
+    actors, the others, on other nodes, would score nothing)."""
+    return max(1, min(blocks, max(math.ceil(blocks / BLOCKS_PER_READ), READS_PER_WORKER * workers)))
+
+
 @dataclass(frozen=True)
 class Resources:
     workers: int
@@ -239,7 +247,7 @@ def run_ray_batch(
     with ordered_execution():
         dataset = ray.data.read_datasource(
             input_blocks(job.input_path, batch_size, blocks),
-            override_num_blocks=max(1, math.ceil(len(blocks) / BLOCKS_PER_READ)),  # read tasks; each yields its blocks
+            override_num_blocks=read_tasks(len(blocks), resources.workers),
             num_cpus=READ_CPUS,
         ).map_batches(
             BlockScorer,

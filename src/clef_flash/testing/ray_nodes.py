@@ -69,7 +69,7 @@ class Node:
 class LocalNodes:
     """A head and worker nodes of `cpus` CPUs each, on this machine; `stop` leaves none of their processes."""
 
-    cpus: float = 1.0
+    cpus: int = 1
     root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="cf-ray-", dir="/tmp")))  # short: socket paths
     port: int = field(default_factory=free_port)
     nodes: dict[str, Node] = field(default_factory=dict)
