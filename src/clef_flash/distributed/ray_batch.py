@@ -3,9 +3,11 @@
     driver     BatchJob.open (progress file, what is done) -> plan: the fixed blocks of `batch_size`
                input lines that still have a line to write (offsets only, from one scan)
     Ray Data   read_datasource(InputBlocks): read tasks on the driver's node read each block's lines
-               (a JSONL byte range, or Parquet rows), one Ray block per input block
+               (a JSONL byte range, or Parquet rows), one Ray block per input block, at least 4 read
+               tasks per actor (a read task's blocks reach one actor)
                -> map_batches(BlockScorer, batch_size=1): an actor pool, one engine per actor, built
-               once from an EngineSpec (source + the driver's precision, never weights)
+               once from an EngineSpec (source + the driver's plan, never weights), all loaded before
+               the first block; each scored block names the node that scored it
     driver     iter_batches (preserve_order): each scored block, in input order -> BatchJob.append:
                its missing lines appended, flushed and fsynced, as the local job does
 
@@ -13,7 +15,8 @@ So the output is the local job's: one line per input line (per schema) in input 
 the same blocks (a record has the same batch neighbours, so with equal thread counts the bytes are
 equal), and the same resume: a rerun after the driver died skips what is written, and a block cut
 short is scored again whole with only its missing lines written. A worker that dies is restarted by
-Ray and its block retried (blocks are deterministic), so nothing is lost or written twice. The output
+Ray and its block retried (blocks are deterministic), so nothing is lost or written twice; a node that
+dies takes its actors and the blocks it held with it, and those blocks are scored again on the nodes left. The output
 is one file written by the driver, not Ray Data's writers (a directory of files in no fixed order).
 """
 
