@@ -127,3 +127,21 @@ def test_the_default_streams_layers_when_no_precision_fits_whole(tiny_dir, monke
     whole = clef_flash.load(tiny_dir, device="cpu", precision=streamed.precision, state_cache_mb=0)
     assert whole.plan.resident_layers is None and whole.plan.key == streamed.plan.key
     assert streamed.logits(REQUEST) == whole.logits(REQUEST)
+
+
+@pytest.mark.slow  # ~13 GB written: the release (6.6 GB, no MTP layer) and its bundle (the embedding tables stay 16-bit)
+def test_a_27b_part_bundle_answers_as_the_release_quantized_at_load(tmp_path):
+    """The bundle path at Clef 27B's widths: `convert` (the int8 scheme at 5120, 17408, 48 value heads) and the
+    memory-mapped bundle answer exactly as the release quantized while loading."""
+    from clef_flash.checkpoint.random_release import write_random_release
+    from clef_flash.conversion import convert
+
+    release = write_random_release(tmp_path / "27b-part", "27b-part", mtp=False)
+    bundle = convert(release, tmp_path / "27b-part-int8", progress=False)
+    answers = []
+    for source in (bundle, release):
+        model = clef_flash.load(source, device="cpu", precision="int8-weight-only", state_cache_mb=0)
+        answers.append((model.plan, model.logits(REQUEST)))
+        del model
+        gc.collect()
+    assert answers[0] == answers[1]
