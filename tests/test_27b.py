@@ -1,5 +1,6 @@
 """Clef 27B from the same code: `27b-part` (Qwen3.5-27B's widths, 2 layers, the head at 5120) against transformers + the
-authors' head in fp32, and the full 27B's default plan on a 24 GB machine from its shapes alone (no weights written).
+authors' head in fp32 and through the bundle (CLEF_FLASH_27B=1: heavy), and the full 27B's default plan on a 24 GB
+machine from its shapes alone (no weights written).
 
 Shapes: model/config.py `QWEN3_5_27B` (the public model cards and config.json of Qwen/Qwen3.5-27B, Qwen/Qwen3.6-27B).
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import math
+import os
 
 import pytest
 import torch
@@ -19,6 +21,11 @@ from clef_flash.plan import layer_parameters, resolve
 from cpu_families import imagine
 
 GIB = 2**30
+# The two runs at 27B's widths need 17 GB of memory (parity) and 13 GB of disk (the bundle), 4-6 min each on a busy
+# 2-core machine: more than the suite's budget and CI's disk. They run where asked: CLEF_FLASH_27B=1.
+AT_27B_WIDTHS = pytest.mark.skipif(
+    os.environ.get("CLEF_FLASH_27B") != "1", reason="27b-part's runs need 17 GB of memory / 13 GB of disk: CLEF_FLASH_27B=1 runs them"
+)
 REQUEST = {
     "state": "My card was charged twice for the annual plan; please refund one.",
     "questions": {
@@ -82,7 +89,8 @@ def reference_backbone(name: str) -> torch.nn.Module:
     return backbone.eval()
 
 
-@pytest.mark.slow  # ~1 min: 3.3B parameters drawn twice, 13 GB of fp32 at the peak
+@AT_27B_WIDTHS
+@pytest.mark.slow  # 3.3B parameters drawn twice, 13 GB of fp32 each side (one after the other), 17 GB peak RSS
 def test_27b_part_matches_transformers_and_the_authors_head_fp32(reference, hf_tokenizer):
     """At Clef 27B's widths (one DeltaNet and one attention layer, the real vocabulary, the head at 5120), our fp32
     model against the reference, one after the other (13 GB each at most)."""
@@ -129,6 +137,7 @@ def test_the_default_streams_layers_when_no_precision_fits_whole(tiny_dir, monke
     assert streamed.logits(REQUEST) == whole.logits(REQUEST)
 
 
+@AT_27B_WIDTHS
 @pytest.mark.slow  # ~13 GB written: the release (6.6 GB, no MTP layer) and its bundle (the embedding tables stay 16-bit)
 def test_a_27b_part_bundle_answers_as_the_release_quantized_at_load(tmp_path):
     """The bundle path at Clef 27B's widths: `convert` (the int8 scheme at 5120, 17408, 48 value heads) and the
