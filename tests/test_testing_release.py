@@ -145,7 +145,7 @@ def test_vision_and_special_token_ids_are_the_real_ones(tiny):
     assert "random" in (tiny / "RANDOM_RELEASE.md").read_text()
 
 
-@pytest.mark.parametrize("which", ["tiny", "9b-heads", "9b-part", "9b"])
+@pytest.mark.parametrize("which", ["tiny", "9b-heads", "9b-part", "9b", "27b-part", "27b"])
 def test_tensor_table_is_transformers_state_dict(which):
     config = transformers.Qwen3_5Config.from_dict(release_config(RANDOM_CONFIGS[which]))
     with torch.device("meta"):
@@ -155,7 +155,7 @@ def test_tensor_table_is_transformers_state_dict(which):
     assert ours == theirs
 
 
-@pytest.mark.parametrize("which", ["tiny", "9b-heads", "9b-part", "9b"])
+@pytest.mark.parametrize("which", ["tiny", "9b-heads", "9b-part", "9b", "27b-part", "27b"])
 def test_configs_read_back_as_the_runtime_configs(which):
     """config.json and joint_head_config.json load, through the runtime's readers, as the very
     TextConfig and HeadConfig the release was built from (they are the runtime's classes)."""

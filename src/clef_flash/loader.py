@@ -106,6 +106,7 @@ def load(
         backend = CoreMLBackend(checkpoint, runner=coreml_runner or "coreml", verify=verify)
     else:
         read = read_adapters(checkpoint, paths) if paths else None  # checked before the base is built
+        resident_layers = resident_layers or plan.resident_layers  # the default streams what does not fit
         backend = TorchBackend(
             checkpoint, plan, resident_layers=resident_layers, segment_tokens=segment_tokens, adapters=read, default_adapter=default_adapter
         )

@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..model.config import QWEN3_5_9B, TextConfig
+from ..model.config import QWEN3_5_27B, QWEN3_5_9B, TextConfig
 from ..model.joint_head import HeadConfig, JointHead
 from ..model.precision import BF16, FP16, FP32, FP64
 from ..model.qwen3_5 import DecoderLayer, GatedRMSNorm, Qwen35Decoder, RMSNorm
@@ -125,6 +125,9 @@ def _text(**sizes: int) -> TextConfig:
 
 #: The reference clef-flash head (`joint_head_config.json` of the real release).
 _REAL_HEAD = HeadConfig(hidden_size=4096, width=1024, routing_layers=2, layers=4, heads=16, feedforward=4096)
+#: Clef 27B's head: its hidden_size is the decoder's 5120; the rest is clef-flash's (Cloudflare's Clef 27B
+#: joint_head_config.json was not found in public: an assumption, one line to change when it is).
+_HEAD_27B = replace(_REAL_HEAD, hidden_size=5120)
 
 RANDOM_CONFIGS: dict[str, RandomConfig] = {
     # Everything small; the real vocabulary (248,320 embedding rows) is kept in every config.
@@ -170,6 +173,13 @@ RANDOM_CONFIGS: dict[str, RandomConfig] = {
     "9b-part": RandomConfig("9b-part", _text(num_hidden_layers=4), _REAL_HEAD),
     # The full Qwen3.5-9B (qwen35.md §1, ~19 GB of bf16), the real head.
     "9b": RandomConfig("9b", QWEN3_5_9B, _REAL_HEAD),
+    # Clef 27B's widths (QWEN3_5_27B), 2 layers: one Gated DeltaNet and one gated attention layer (~6.6 GB of bf16,
+    # 5.1 of them the two embedding tables), the head at width 5120.
+    "27b-part": RandomConfig(
+        "27b-part", replace(QWEN3_5_27B, num_hidden_layers=2, layer_types=("linear_attention", "full_attention")), _HEAD_27B
+    ),
+    # The full Qwen3.5-27B decoder (~54 GB of bf16) and head: for its plan and tensor table (shapes); never written by tests.
+    "27b": RandomConfig("27b", QWEN3_5_27B, _HEAD_27B),
 }
 
 

@@ -67,6 +67,7 @@ class EngineSpec:
     threads: int | None = None  # torch intra-op threads of each worker; None: torch's default
     fingerprint: str | None = None  # config, then weights: what the driver opened
     weights_fingerprint: str | None = None
+    plan_key: str | None = None  # the driver's whole plan (`Plan.key`: precision, W8A8 kernel, device): every engine's
 
     @classmethod
     def resolve(cls, source: str, *, precision: str | None, device: str, revision: str | None = None, **options: Any) -> EngineSpec:
@@ -79,15 +80,17 @@ class EngineSpec:
         from ..loader import plan_of
 
         checkpoint = open_checkpoint(source, revision=revision)
+        plan = plan_of(checkpoint, device=torch.device(device), precision=precision, coreml_runner=options.get("coreml_runner"))
         local = str(source) != "tiny" and not str(source).startswith(RANDOM_PREFIX) and Path(source).expanduser().is_dir()
         shipped = str(Path(source).expanduser().resolve()) if local else str(source)  # a hub id: each node downloads it
         return cls(
             source=shipped,
-            precision=plan_of(checkpoint, device=torch.device(device), precision=precision, coreml_runner=options.get("coreml_runner")).name,
+            precision=plan.name,
             device=device,
             revision=revision,
             fingerprint=checkpoint.fingerprint,
             weights_fingerprint=checkpoint.weights_fingerprint,
+            plan_key=plan.key,
             **options,
         )
 
@@ -121,6 +124,12 @@ class EngineSpec:
                 f"the worker on {os.uname().nodename} opened another model at {self.source!r} than the driver did "
                 f"(config and weights fingerprints {loaded[0][:12]}, {str(loaded[1])[:12]}; the driver's "
                 f"{self.fingerprint[:12]}, {str(self.weights_fingerprint)[:12]}): give every node the same copy"
+            )
+        if self.plan_key is not None and model.plan.key != self.plan_key:  # e.g. another W8A8 kernel on another CPU
+            raise ClefError(
+                f"the worker on {os.uname().nodename} resolved another plan than the driver ({model.plan.key}; the "
+                f"driver's {self.plan_key}): one output never mixes plans; pass a --precision every node runs alike "
+                "(fp32, bf16, int8-weight-only), or use nodes of one kind of CPU"
             )
         return model
 

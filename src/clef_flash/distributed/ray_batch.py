@@ -3,9 +3,11 @@
     driver     BatchJob.open (progress file, what is done) -> plan: the fixed blocks of `batch_size`
                input lines that still have a line to write (offsets only, from one scan)
     Ray Data   read_datasource(InputBlocks): read tasks on the driver's node read each block's lines
-               (a JSONL byte range, or Parquet rows), one Ray block per input block
+               (a JSONL byte range, or Parquet rows), one Ray block per input block, at least 4 read
+               tasks per actor (a read task's blocks reach one actor)
                -> map_batches(BlockScorer, batch_size=1): an actor pool, one engine per actor, built
-               once from an EngineSpec (source + the driver's precision, never weights)
+               once from an EngineSpec (source + the driver's plan, never weights), all loaded before
+               the first block; each scored block names the node that scored it
     driver     iter_batches (preserve_order): each scored block, in input order -> BatchJob.append:
                its missing lines appended, flushed and fsynced, as the local job does
 
@@ -13,7 +15,8 @@ So the output is the local job's: one line per input line (per schema) in input 
 the same blocks (a record has the same batch neighbours, so with equal thread counts the bytes are
 equal), and the same resume: a rerun after the driver died skips what is written, and a block cut
 short is scored again whole with only its missing lines written. A worker that dies is restarted by
-Ray and its block retried (blocks are deterministic), so nothing is lost or written twice. The output
+Ray and its block retried (blocks are deterministic), so nothing is lost or written twice; a node that
+dies takes its actors and the blocks it held with it, and those blocks are scored again on the nodes left. The output
 is one file written by the driver, not Ray Data's writers (a directory of files in no fixed order).
 """
 
@@ -23,6 +26,7 @@ import contextlib
 import dataclasses
 import io
 import math
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +50,9 @@ from . import EngineSpec, connect, require_ray
 
 READ_CPUS = 0.25  # each read task's share: reading is light, and must not wait behind the scorers
 BLOCKS_PER_READ = 16  # input blocks per read task: few tasks, each streaming its blocks one by one
+READS_PER_WORKER = 4  # and at least this many read tasks per scoring actor, so that a small job reaches every actor
 RESERVED_CPUS = 0.5  # what the default leaves for the read tasks and the driver on the smallest node
+ENGINES_LOADED_S = 600  # the longest the scoring actors may take to load their engines (a 9B from a cold disk)
 
 
 @dataclass(frozen=True)
@@ -146,8 +152,11 @@ class BlockScorer:
     """A Ray Data actor: one engine, built once from the spec; scores one block per call."""
 
     def __init__(self, spec: EngineSpec, schemas: list[dict[str, Any]]):
+        import ray
+
         self.model = spec.load()
         self.schemas = schemas
+        self.node = ray.get_runtime_context().get_node_id()  # where this engine runs: the run's provenance
 
     def __call__(self, batch: Any) -> Any:
         import pyarrow as pa
@@ -168,15 +177,25 @@ class BlockScorer:
                 "schema": pa.array(schemas, pa.list_(pa.int64())),
                 "output": pa.array(outputs, pa.list_(pa.binary())),
                 "error": pa.array(errors, pa.list_(pa.bool_())),
+                "node": pa.array([self.node] * len(blocks), pa.string()),
             }
         )
 
 
-def scored_blocks(tables: Any) -> Iterator[list[OutputLine]]:
-    """The scorers' tables, as the output lines of each block."""
+def scored_blocks(tables: Any, nodes: Counter[str] | None = None) -> Iterator[list[OutputLine]]:
+    """The scorers' tables, as the output lines of each block; `nodes` counts the lines each Ray node scored."""
     for table in tables:
         for block in table.to_pylist():
+            if nodes is not None:
+                nodes[block["node"]] += len(block["line"])
             yield [((line, schema), output, error) for line, schema, output, error in zip(block["line"], block["schema"], block["output"], block["error"])]
+
+
+def read_tasks(blocks: int, workers: int) -> int:
+    """How many read tasks read `blocks` input blocks: one per BLOCKS_PER_READ, and at least READS_PER_WORKER per
+    worker (each read task's blocks reach the scorers as one input, which one actor takes: with fewer inputs than
+    actors, the others, on other nodes, would score nothing)."""
+    return max(1, min(blocks, max(math.ceil(blocks / BLOCKS_PER_READ), READS_PER_WORKER * workers)))
 
 
 @dataclass(frozen=True)
@@ -213,10 +232,12 @@ def run_ray_batch(
     gpus_per_worker: float = 0.0,
     address: str | None = None,
     progress: ProgressBar | None = None,
+    nodes: Counter[str] | None = None,
 ) -> Summary:
     """Score what `job`'s output lacks on Ray (joining `address`, or starting a local cluster) and
     append it as `job.run` would. Each worker runs `spec` with max(1, round(cpus_per_worker)) threads
-    unless the spec says otherwise."""
+    unless the spec says otherwise. `nodes`, when given, counts the lines each Ray node id scored
+    (scored, not written: a block scored twice after a failure counts twice)."""
     require_ray()
     connect(address)
     import ray.data
@@ -229,7 +250,7 @@ def run_ray_batch(
     with ordered_execution():
         dataset = ray.data.read_datasource(
             input_blocks(job.input_path, batch_size, blocks),
-            override_num_blocks=max(1, math.ceil(len(blocks) / BLOCKS_PER_READ)),  # read tasks; each yields its blocks
+            override_num_blocks=read_tasks(len(blocks), resources.workers),
             num_cpus=READ_CPUS,
         ).map_batches(
             BlockScorer,
@@ -242,7 +263,7 @@ def run_ray_batch(
         )
         tables = dataset.iter_batches(batch_size=None, batch_format="pyarrow") if blocks else iter(())
         try:
-            return job.append(scored_blocks(tables), progress)
+            return job.append(scored_blocks(tables, nodes), progress)
         except ray.exceptions.RayError as error:
             raise ClefError(f"a Ray worker failed: {worker_failure(error)}") from error
 
@@ -250,20 +271,28 @@ def run_ray_batch(
 @contextlib.contextmanager
 def ordered_execution() -> Iterator[None]:
     """Ray Data's process-wide context, for this job only: blocks in input order, no progress bars (ours
-    counts lines), no execution banner; what it was is put back afterwards."""
+    counts lines), no execution banner, every engine loaded before the first block is handed out; what it
+    was is put back afterwards."""
     import ray.data
     from ray.util.debug import log_once
 
     context = ray.data.DataContext.get_current()
-    before = (context.execution_options.preserve_order, context.enable_progress_bars, context.print_on_execution_start)
+    fields = ("enable_progress_bars", "print_on_execution_start", "wait_for_min_actors_s")
+    before = (context.execution_options.preserve_order, *(getattr(context, name) for name in fields))
     context.execution_options.preserve_order = True
     context.enable_progress_bars = False
     context.print_on_execution_start = False
+    # Ray Data's default hands blocks to the first engine loaded: on several nodes one that loads first took every
+    # block while the others were still loading. Waiting spreads the work, and a pool the cluster cannot hold fails
+    # after this many seconds instead of waiting forever.
+    context.wait_for_min_actors_s = ENGINES_LOADED_S
     log_once("ray_data_progress_manager_disabled")  # and Ray Data need not warn that they are off
     try:
         yield
     finally:
-        context.execution_options.preserve_order, context.enable_progress_bars, context.print_on_execution_start = before
+        context.execution_options.preserve_order = before[0]
+        for name, value in zip(fields, before[1:]):
+            setattr(context, name, value)
 
 
 def worker_failure(error: Exception) -> str:

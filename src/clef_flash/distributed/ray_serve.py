@@ -172,12 +172,14 @@ def serve_on_ray(
     cpus_per_replica: float = 1.0,
     gpus_per_replica: float = 0.0,
     blocking: bool = True,
+    proxy_location: str | None = None,
 ) -> Any:
     """Deploy on Ray (joining `address`, or a new local cluster) behind Serve's proxy on host:port.
     Blocking: until interrupted, then the application is deleted (and Serve shut down when this call
-    started the cluster). Otherwise returns the deployment handle."""
+    started the cluster). Otherwise returns the deployment handle. `proxy_location`: Serve's default
+    (a proxy on every node, each on host:port) or "HeadOnly" (nodes that share a host: one port)."""
     started = connect(address)
-    serve.start(http_options={"host": host, "port": port})
+    serve.start(http_options={"host": host, "port": port}, **({"proxy_location": proxy_location} if proxy_location else {}))
     app = deployment(spec, settings, replicas=replicas, cpus_per_replica=cpus_per_replica, gpus_per_replica=gpus_per_replica)
     handle = serve.run(app, name=APP_NAME, route_prefix="/")
     if not blocking:

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..errors import ModelSourceError
 
-__all__ = ["QWEN3_5_9B", "TextConfig"]
+__all__ = ["QWEN3_5_27B", "QWEN3_5_9B", "TextConfig"]
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -173,4 +173,18 @@ class TextConfig:
 # The Qwen3.5-9B text decoder (qwen35.md §1).
 QWEN3_5_9B = TextConfig(
     rope_theta=10_000_000.0, max_position_embeddings=262144, eos_token_id=248044, pad_token_id=248044
+)
+
+# The Qwen3.5-27B text decoder, base of Clef 27B: 64 layers (16 x 3 Gated DeltaNet + 1 gated attention) of width 5120,
+# MLP 17408, 24 query / 4 KV heads of 256, 16 QK / 48 V DeltaNet heads of 128; the 9B's vocabulary, RoPE and special
+# tokens. From the public model cards and config.json of Qwen/Qwen3.5-27B and Qwen/Qwen3.6-27B (the same decoder).
+QWEN3_5_27B = dataclasses.replace(
+    QWEN3_5_9B,
+    hidden_size=5120,
+    intermediate_size=17408,
+    num_hidden_layers=64,
+    layer_types=(),
+    num_attention_heads=24,
+    num_key_value_heads=4,
+    linear_num_value_heads=48,
 )

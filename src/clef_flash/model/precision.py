@@ -222,6 +222,10 @@ class Plan:
     kernel: str | None = None  # the W8A8 kernel (checkpoint/w8a8.py); None unless W8A8 on a CPU
     backend: str = TORCH
     activation_bits: int | None = None  # W8A8's activations on its kernel: 8, or 7 (FBGEMM); None unless W8A8 on a CPU
+    # Streamed (the default when no precision fits memory whole): at most this many decoder layers hold weights at once,
+    # each filled from the memory-mapped files as it runs (`load(resident_layers=)`). None: all resident. Not in `key`:
+    # streaming changes where the weights wait, not what is computed.
+    resident_layers: int | None = None
 
     @property
     def name(self) -> str:
@@ -255,6 +259,7 @@ class Plan:
             "kernel": self.kernel,
             "activation_bits": self.activation_bits,
             "device": str(self.device),
+            "resident_layers": self.resident_layers,
             "reason": self.reason,
         }
 

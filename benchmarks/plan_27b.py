@@ -1,0 +1,40 @@
+"""The plan the default would choose for a full-size Clef 27B (issue 43), from its shapes alone: no weights drawn or written.
+
+    python benchmarks/plan_27b.py [--memory-gib 24] [--config 27b]
+
+`random:27b` opens as a checkpoint of Qwen3.5-27B's shapes (model/config.py QWEN3_5_27B, the head at 5120) whose tensors
+would be drawn only when read; `plan.resolve` needs their shapes and this machine's probe (its W8A8 kernel).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from clef_flash.checkpoint import open_checkpoint
+from clef_flash.plan import decoder_parameters, layer_parameters, resolve
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--memory-gib", type=float, default=24.0, help="memory available when loading (default 24)")
+    parser.add_argument("--config", default="27b", help="a random config name (27b, 9b, 27b-part, ...)")
+    args = parser.parse_args()
+    checkpoint = open_checkpoint(f"random:{args.config}")
+    plan = resolve(checkpoint, torch.device("cpu"), None, memory_bytes=int(args.memory_gib * 2**30))
+    layers = layer_parameters(checkpoint)
+    print(json.dumps({
+        "config": args.config,
+        "decoder_parameters": decoder_parameters(checkpoint),
+        "bf16_gb": round(2 * decoder_parameters(checkpoint) / 1e9, 1),
+        "layers": len(layers),
+        "largest_layer_parameters": max(layers),
+        "memory_gib": args.memory_gib,
+        "plan": plan.describe(),
+    }, indent=2))
+
+
+if __name__ == "__main__":
+    main()
