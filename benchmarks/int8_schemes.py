@@ -32,6 +32,10 @@ LLAMA_CPP_Q4_0 = 84.1  # tok/s, Zen 3, the same day as the figures below (issue 
 AVX2_TOKENS_PER_S = {"one FBGEMM product": 122.5, "ONNX Runtime u8/u8": 80.3, "weight-only": 78.6, "mixed digits": 81.4}
 
 SEVEN_BIT_MIXED = {"mlp.gate_proj": 63, "mlp.up_proj": 63}  # one 7-bit digit there, two (63 * 126 levels) elsewhere
+# one 7-bit digit at every projection that reads a norm (smoothed), two at the ones that do not (down, o, out)
+SEVEN_BIT_SMOOTHED = {name: 63 for name in SMOOTHED_BY}
+# one 7-bit digit everywhere but down_proj (the input with the largest outliers: act(gate) * up)
+SEVEN_BIT_BUT_DOWN = SEVEN_BIT_SMOOTHED | {"self_attn.o_proj": 63, "linear_attn.out_proj": 63}
 TWO_DIGIT_LEVELS = 63 * 126
 
 # name -> (activation levels (a dict: by projection, the rest TWO_DIGIT_LEVELS) or None, weight levels, rotated,
@@ -47,6 +51,8 @@ CANDIDATES = {
     "a8w7 rotated, smoothed 0.5": ((127, 63, True, 0.5), "one FBGEMM product"),
     "weight-only rotated, smoothed 0.5": ((None, 127, True, 0.5), "weight-only"),
     "a7w8 at gate/up, two 7-bit digits elsewhere, rotated, smoothed 0.5": ((SEVEN_BIT_MIXED, 127, True, 0.5), "mixed digits"),
+    "a7w8 where a norm is read, two digits at down/o/out, rotated, smoothed 0.5": ((SEVEN_BIT_SMOOTHED, 127, True, 0.5), "mixed digits"),
+    "a7w8 but two digits at down, rotated, smoothed 0.5": ((SEVEN_BIT_BUT_DOWN, 127, True, 0.5), "mixed digits"),
 }
 
 
@@ -106,10 +112,33 @@ def candidates(root, bundle, module) -> dict:
     return rows
 
 
+def two_digit_share(levels: dict) -> float:
+    """The share of the 9B's int8 multiply-adds at projections that take two digits under `levels` (by name)."""
+    from clef_flash.checkpoint.random_release import tensor_table
+
+    sizes = {}  # projection name ("mlp.up_proj") -> its multiply-adds per token over all layers
+    for spec in tensor_table("9b", mtp=False):
+        if is_quantized(spec.name, tuple(spec.shape)):
+            projection = ".".join(spec.name.split(".")[-3:-1])
+            sizes[projection] = sizes.get(projection, 0) + spec.shape[0] * spec.shape[1]
+    return sum(size for name, size in sizes.items() if levels.get(name, TWO_DIGIT_LEVELS) > 127) / sum(sizes.values())
+
+
+def predicted_tokens_per_s(levels, runs_as: str) -> float:
+    """Zen 3 tok/s: the measured rate, or for a mix of one and two digits, the line through the two measured mixes
+    (time per token = fixed + per-work * work, work = 1 + two-digit share: gate/up one digit = 1.53 at 81.4, every
+    projection one digit = 1.0 at 122.5)."""
+    if runs_as != "mixed digits":
+        return AVX2_TOKENS_PER_S[runs_as]
+    one, mixed = 1.0 / AVX2_TOKENS_PER_S["one FBGEMM product"], 1.0 / AVX2_TOKENS_PER_S["mixed digits"]
+    per_work = (mixed - one) / two_digit_share(SEVEN_BIT_MIXED)
+    return 1.0 / (one + per_work * two_digit_share(levels))
+
+
 def print_speed() -> None:
     print("\npredicted on an AVX2-only CPU (Zen 3, 9b-part, ~370-token records), from issue 40's measured rates:")
-    for name, (_, runs_as) in CANDIDATES.items():
-        rate = AVX2_TOKENS_PER_S[runs_as]
+    for name, ((levels, *_), runs_as) in CANDIDATES.items():
+        rate = predicted_tokens_per_s(levels, runs_as)
         print(f"{name:>42}: {runs_as:>20}, ~{rate:.1f} tok/s = {rate / LLAMA_CPP_Q4_0:.2f}x llama.cpp Q4_0")
 
 

@@ -46,7 +46,7 @@ def test_the_default_is_the_fastest_qualified_path_on_every_family(family, relea
         assert "fastest qualified" in chosen.reason
         assert ("quantized while loading" in chosen.reason) == (chosen.quantized and not stored_int8)
         assert ("left out: no exact W8A8 kernel" in chosen.reason) == (family == "none")
-        assert ("7-bit activations: one int8 digit at gate_proj, up_proj, two at every other" in chosen.reason) == (family == "avx2")
+        assert ("7-bit activations: one int8 digit at the projections that read a norm (q_proj, k_proj, v_proj, in_proj_qkv, in_proj_z, gate_proj, up_proj), two at the others" in chosen.reason) == (family == "avx2")
     assert qualified(stored_int8=False) == QUALIFIED and qualified(stored_int8=True) == ("int8-w8a8", "int8-weight-only")
 
 
@@ -164,8 +164,8 @@ def test_a_w8a8_kernel_runs_only_where_it_is_exact(name):
 @pytest.mark.parametrize("family", ["amx", "vnni", "avx2"])
 def test_each_familys_default_runs_w8a8_on_its_kernel(tiny_dir, monkeypatch, family):
     """On each family with a fast exact kernel, a release's default is W8A8 on that kernel, 1 byte a weight, packed by
-    `load`: one int8 product per projection with 8-bit activations; with FBGEMM's 7 bits, one digit at the MLP's
-    inputs and two elsewhere. Its decisions are those of the fp32 model."""
+    `load`: one int8 product per projection with 8-bit activations; with FBGEMM's 7 bits, one digit where a norm is
+    read and two at down/o/out. Its decisions are those of the fp32 model."""
     monkeypatch.delenv("CLEF_FLASH_PRECISION", raising=False)
     rates = imagine(monkeypatch, family, int8_bits=7 if family == "avx2" else 8)
     model = clef_flash.load(tiny_dir, device="cpu")
@@ -175,7 +175,8 @@ def test_each_familys_default_runs_w8a8_on_its_kernel(tiny_dir, monkeypatch, fam
     linears = {name: module for name, module in model.parts.decoder.named_modules() if isinstance(module, Int8Linear)}
     assert linears and all(isinstance(linear, W8A8Linear) and linear.kernel.name == rates.int8_kernel for linear in linears.values())
     two_digits = {name for name, linear in linears.items() if isinstance(linear, TwoDigitLinear)}
-    expected = {name for name in linears if not name.endswith(("gate_proj", "up_proj"))} if family == "avx2" else set()
+    expected = {name for name in linears if name.endswith(("down_proj", "o_proj", "out_proj"))} if family == "avx2" else set()
+    assert expected or family != "avx2"
     assert two_digits == expected
     assert all(linear.packed is not None for linear in linears.values())  # packed while loading: the first answer is a warm one
     assert all(linear.weight.dtype == torch.int8 for linear in linears.values())

@@ -44,11 +44,6 @@ KEPT_HIGH_PRECISION = ("in_proj_a.weight", "in_proj_b.weight")
 # The DeltaNet decay parameters are held in at least fp32, whatever the compute dtype (as transformers).
 HIGH_PRECISION_PARAMETERS = ("A_log", "dt_bias")
 TWO_DIGITS = "w8a8-two-digit"  # W8A8 with each activation in two int8 digits (checkpoint/w8a8.py)
-# On a kernel with 7-bit activations (FBGEMM, the only exact one of AVX2-only CPUs) one digit qualifies at the MLP's
-# inputs only; every other projection takes two (benchmarks/int8_schemes.py). They are 47% of a 9B layer block's
-# projection FLOPs.
-SEVEN_BIT_ONE_DIGIT = ("gate_proj", "up_proj")
-SEVEN_BIT_ONE_DIGIT_SHARE = 0.47
 INT8_SCHEME_VERSION = 2  # 1: plain per-channel int8 (+ calibrated outlier channels); 2: smoothed and rotated
 SMOOTHING_SUFFIX = "input_smoothing"  # `x.input_smoothing` fp32 [I]: the scale `x`'s input was multiplied by
 HEAD_DTYPE = FP32
@@ -91,6 +86,13 @@ SMOOTHED_BY = {
     "mlp.gate_proj": ("post_attention_layernorm.weight", True),
     "mlp.up_proj": ("post_attention_layernorm.weight", True),
 }
+
+# On a kernel with 7-bit activations (FBGEMM, the only exact one of AVX2-only CPUs) one digit qualifies at the
+# projections that read a norm (smoothed: q/k/v, in_proj_qkv/z, gate/up); down_proj, o_proj and out_proj, whose
+# inputs no norm evens out, take two (benchmarks/int8_schemes.py: one digit there too flips decisions). The one-digit
+# ones are 69% of the 9B's int8 multiply-adds.
+SEVEN_BIT_ONE_DIGIT = tuple(name.rpartition(".")[2] for name in SMOOTHED_BY)
+SEVEN_BIT_ONE_DIGIT_SHARE = 0.69
 
 
 def w8a8_digits(linear_name: str, activation_bits: int) -> int:
@@ -352,8 +354,8 @@ def choose_precision(
         reason += "; int8-w8a8 left out: no exact W8A8 kernel here"
     if best == "int8-w8a8" and measured.int8_bits < 8:
         reason += (
-            f"; {measured.int8_bits}-bit activations: one int8 digit at {', '.join(SEVEN_BIT_ONE_DIGIT)}, two at every other "
-            "projection, 1 byte a weight"
+            f"; {measured.int8_bits}-bit activations: one int8 digit at the projections that read a norm "
+            f"({', '.join(SEVEN_BIT_ONE_DIGIT)}), two at the others, 1 byte a weight"
         )
     left_out = [name for name in candidates if name not in fitting_ones]
     if left_out:
