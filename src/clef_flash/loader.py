@@ -4,6 +4,8 @@
     load("tiny") / load(DIR) / load("Cloudflare/clef-flash") / load("random:9b-part")   torch backend
     load(EXPORT)                         a Core ML export: Core ML on macOS
     load(EXPORT, coreml_runner="torch")  the export's traced fp32 twins standing in for Core ML (anywhere)
+    resolve_plan(source, ...)            the plan `load` would run in, nothing built (batch's progress file)
+    open_encoder(source)                 requests to token ids and spans, no weights (`clef-flash render`)
 """
 
 from __future__ import annotations
@@ -14,11 +16,12 @@ import torch
 
 from .checkpoint import Checkpoint, open_checkpoint
 from .coreml.host import Runner
-from .clef import Clef
+from .clef import Clef, Encoder
 from .engine import DEFAULT_BATCH_TOKENS, KEEP_FROM_TOKENS, Engine
 from .errors import ClefError
-from .model.precision import COREML, Plan
-from .plan import coreml_plan, resolve
+from .machine import available_memory_bytes
+from .machine import rates as machine_rates
+from .plan import COREML, Plan, coreml_plan, resolve
 from .prefill import DEFAULT_SEGMENT_TOKENS
 from .request.records import DEFAULT_MAX_LENGTH
 from .state_cache import MEBIBYTE, StateCache, default_state_cache_mb
@@ -46,7 +49,24 @@ def plan_of(checkpoint: Checkpoint, *, device: str | torch.device = "auto", prec
         return coreml_plan(runner if isinstance(runner, str) else type(runner).__name__)
     if coreml_runner is not None:
         raise ClefError(f"{checkpoint.where} is not a Core ML export: --coreml-runner applies to exports only")
-    return resolve(checkpoint, pick_device(device), precision)
+    return resolve(checkpoint, pick_device(device), precision, rates=machine_rates, available_memory=available_memory_bytes)
+
+
+def resolve_plan(
+    source: str | os.PathLike[str] = "tiny",
+    *,
+    device: str | torch.device = "auto",
+    precision: str | None = None,
+    revision: str | None = None,
+    coreml_runner: str | Runner | None = None,
+) -> Plan:
+    """The plan `load(source, ...)` would run in on this machine, without loading any weights."""
+    return plan_of(open_checkpoint(source, revision=revision), device=device, precision=precision, coreml_runner=coreml_runner)
+
+
+def open_encoder(source: str | os.PathLike[str] = "tiny", *, revision: str | None = None, max_length: int = DEFAULT_MAX_LENGTH) -> Encoder:
+    """What `load(source)` encodes requests with (its tokenizer and processors), without loading any weights."""
+    return Encoder(open_checkpoint(source, revision=revision), max_length=max_length)
 
 
 def load(
@@ -62,6 +82,7 @@ def load(
     segment_tokens: int = DEFAULT_SEGMENT_TOKENS,
     state_cache_mb: float | None = None,
     coreml_runner: str | Runner | None = None,
+    plan: Plan | None = None,
 ) -> Clef:
     """Load a model: a release or bundle directory, a Core ML export, a Hugging Face repo id, "tiny" (a
     generated random release) or "random:NAME[:SEED]" (random weights drawn in memory; names in RANDOM_CONFIGS).
@@ -76,15 +97,16 @@ def load(
     `state_cache_mb`: the bound of the state cache (state_cache.py); None: an eighth of this machine's
     memory, at most 4 GiB; 0: off (records of one call still share their states).
     A Core ML export runs as exported (no `precision`); `coreml_runner`: "coreml" (the default; macOS only)
-    or "torch" (its traced fp32 twins, rebuilt from the source it was exported from).
+    or "torch" (its traced fp32 twins, rebuilt from the source it was exported from). `plan`: run in this plan
+    (from `resolve_plan` on this machine), not one resolved again.
     """
     from .engine.coreml_backend import CoreMLBackend
     from .engine.torch_backend import TorchBackend
 
     checkpoint = open_checkpoint(source, revision=revision, verify=verify)
-    plan = plan_of(checkpoint, device=device, precision=precision, coreml_runner=coreml_runner)
+    plan = plan or plan_of(checkpoint, device=device, precision=precision, coreml_runner=coreml_runner)
     if plan.backend == COREML:
-        backend = CoreMLBackend(checkpoint, runner=coreml_runner or "coreml", verify=verify)
+        backend = CoreMLBackend(checkpoint, plan, runner=coreml_runner or "coreml", verify=verify)
     else:
         backend = TorchBackend(checkpoint, plan, resident_layers=resident_layers, segment_tokens=segment_tokens)
     cache_mb = default_state_cache_mb() if state_cache_mb is None else state_cache_mb

@@ -21,6 +21,7 @@ import datetime
 import functools
 import hashlib
 import json
+import math
 import os
 import time
 from collections.abc import Callable
@@ -29,6 +30,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ModelSourceError, WeightsError
+from ..model.precision import is_scale
+from .names import LM_HEAD
 from .safetensors_io import SafetensorsFiles, TensorSource
 
 if TYPE_CHECKING:
@@ -89,6 +92,14 @@ class Checkpoint:
         from ..request.videos import VideoProcessorConfig
 
         return None if self.video_processor_config is None else VideoProcessorConfig.from_dict(self.video_processor_config)
+
+    def decoder_parameters(self) -> int | None:
+        """The decoder's parameters (the output embeddings aside: their rows are gathered, never held whole); None
+        without tensors (a Core ML export). What the default precision weighs against memory (plan.py)."""
+        if self.tensors is None:
+            return None
+        tensors = self.tensors
+        return sum(math.prod(tensors.shape(name)) for name in tensors.keys() if name != LM_HEAD and not is_scale(name))
 
     @property
     def fingerprint(self) -> str:
