@@ -34,7 +34,7 @@ import json
 import os
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -269,6 +269,7 @@ class Summary:
     errors: int  # of which error objects
     skipped: int  # lines already in the output
     seconds: float
+    notes: list[str] = field(default_factory=list)  # what the run met and said (a Ray worker's other plan)
 
 
 class BatchJob:

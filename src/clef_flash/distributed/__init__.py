@@ -6,12 +6,15 @@
                    server's own app, its model queue `@serve.batch` instead of a worker thread
 
 What goes to a worker is an `EngineSpec`: the model source (a directory path, a hub id, "tiny") and
-the precision the driver resolved, never weights; each worker opens the source and loads it itself.
+the plan the driver resolved (its precision and its key), never weights; each worker opens the source and loads it
+itself in that precision. A worker whose machine resolves another plan (another W8A8 kernel, say) runs it and says so:
+in its log, and in the job's record (`Summary.notes`, printed by `clef-flash batch --ray`).
 Nothing here imports ray at import time, and `import clef_flash` never imports this package.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +24,8 @@ from ..errors import ClefError
 
 if TYPE_CHECKING:
     from ..clef import Clef
+
+log = logging.getLogger("clef_flash.distributed")
 
 RAY_MISSING = 'Ray is not installed: pip install "clef-flash[ray]"'
 
@@ -56,9 +61,11 @@ class EngineSpec:
     The fingerprints are the driver's: a worker whose copy differs refuses to score."""
 
     source: str
-    precision: str  # resolved once, on the driver
+    precision: str  # the plan's, resolved once, on the driver
+    plan_key: str | None = None  # the driver's plan (plan.py `Plan.key`): what a worker's own is compared with
     device: str = "cpu"
     revision: str | None = None
+    verify: bool = False
     max_length: int | None = None
     state_cache_mb: float | None = None
     segment_tokens: int | None = None
@@ -70,8 +77,8 @@ class EngineSpec:
 
     @classmethod
     def resolve(cls, source: str, *, precision: str | None, device: str, revision: str | None = None, **options: Any) -> EngineSpec:
-        """The spec for `source` on `device` ("cpu" or "cuda"): the precision resolved here, once, as
-        `load` would resolve it there (the default: this machine's probe for a CPU, bf16 on CUDA)."""
+        """The spec for `source` on `device` ("cpu" or "cuda"): the plan resolved here, once, as `load` would resolve
+        it there (the default: this machine's probe for a CPU, bf16 on CUDA)."""
         import torch
 
         from ..checkpoint import open_checkpoint
@@ -81,9 +88,11 @@ class EngineSpec:
         checkpoint = open_checkpoint(source, revision=revision)
         local = str(source) != "tiny" and not str(source).startswith(RANDOM_PREFIX) and Path(source).expanduser().is_dir()
         shipped = str(Path(source).expanduser().resolve()) if local else str(source)  # a hub id: each node downloads it
+        plan = plan_of(checkpoint, device=torch.device(device), precision=precision, coreml_runner=options.get("coreml_runner"))
         return cls(
             source=shipped,
-            precision=plan_of(checkpoint, device=torch.device(device), precision=precision, coreml_runner=options.get("coreml_runner")).name,
+            precision=plan.name,
+            plan_key=plan.key,
             device=device,
             revision=revision,
             fingerprint=checkpoint.fingerprint,
@@ -92,8 +101,8 @@ class EngineSpec:
         )
 
     def load(self) -> Clef:
-        """Build the engine (in a worker): `clef_flash.load` with these options, then check that it is
-        the model the driver opened."""
+        """Build the engine (in a worker): `clef_flash.load` with these options, then check that it is the model
+        the driver opened (refused if not) and the plan it resolved (`plan_note` says how it differs, if it does)."""
         import torch
 
         from ..loader import load
@@ -114,7 +123,7 @@ class EngineSpec:
         from ..model.precision import COREML_PRECISION
 
         precision = None if self.precision == COREML_PRECISION.name else self.precision  # an export runs as exported
-        model = load(self.source, device=self.device, precision=precision, revision=self.revision, **options)
+        model = load(self.source, device=self.device, precision=precision, revision=self.revision, verify=self.verify, **options)
         loaded = (model.checkpoint.fingerprint, model.checkpoint.weights_fingerprint)
         if self.fingerprint is not None and loaded != (self.fingerprint, self.weights_fingerprint):
             raise ClefError(
@@ -123,6 +132,17 @@ class EngineSpec:
                 f"{self.fingerprint[:12]}, {str(self.weights_fingerprint)[:12]}): give every node the same copy"
             )
         return model
+
+    def plan_note(self, model: Clef) -> str | None:
+        """None when `model` (loaded by `load`) runs the driver's plan; else one line saying how this worker's differs."""
+        if self.plan_key is None or model.plan.key == self.plan_key:
+            return None
+        note = (
+            f"the worker on {os.uname().nodename} runs plan {model.plan.key} ({model.plan.reason}), not the driver's "
+            f"{self.plan_key}: its machine resolves another"
+        )
+        log.warning(note)
+        return note
 
 
 __all__ = ["RAY_MISSING", "EngineSpec", "connect", "require_ray"]

@@ -5,7 +5,8 @@
     Ray Data   read_datasource(InputBlocks): read tasks on the driver's node read each block's lines
                (a JSONL byte range, or Parquet rows), one Ray block per input block
                -> map_batches(BlockScorer, batch_size=1): an actor pool, one engine per actor, built
-               once from an EngineSpec (source + the driver's precision, never weights)
+               once from an EngineSpec (source + the driver's plan, never weights; a worker whose own plan
+               differs says so, and the run's Summary.notes carry it)
     driver     iter_batches (preserve_order): each scored block, in input order -> BatchJob.append:
                its missing lines appended, flushed and fsynced, as the local job does
 
@@ -147,12 +148,13 @@ class BlockScorer:
 
     def __init__(self, spec: EngineSpec, schemas: list[dict[str, Any]]):
         self.model = spec.load()
+        self.note = spec.plan_note(self.model)  # the job's record says so too (run_ray_batch's notes)
         self.schemas = schemas
 
     def __call__(self, batch: Any) -> Any:
         import pyarrow as pa
 
-        blocks, lines, schemas, outputs, errors = [], [], [], [], []
+        blocks, lines, schemas, outputs, errors, notes = [], [], [], [], [], []
         for block, numbers, raws in zip(*(batch.column(name).to_pylist() for name in ("block", "line", "raw"))):
             rows = [row for number, raw in zip(numbers, raws) for row in decode_rows(number, raw, self.schemas)]
             scored = score_block(self.model, rows)
@@ -161,6 +163,7 @@ class BlockScorer:
             schemas.append([key[1] for key, _, _ in scored])
             outputs.append([output for _, output, _ in scored])
             errors.append([error for _, _, error in scored])
+            notes.append(self.note)
         return pa.table(
             {
                 "block": pa.array(blocks, pa.int64()),
@@ -168,14 +171,17 @@ class BlockScorer:
                 "schema": pa.array(schemas, pa.list_(pa.int64())),
                 "output": pa.array(outputs, pa.list_(pa.binary())),
                 "error": pa.array(errors, pa.list_(pa.bool_())),
+                "note": pa.array(notes, pa.string()),
             }
         )
 
 
-def scored_blocks(tables: Any) -> Iterator[list[OutputLine]]:
-    """The scorers' tables, as the output lines of each block."""
+def scored_blocks(tables: Any, notes: list[str]) -> Iterator[list[OutputLine]]:
+    """The scorers' tables, as the output lines of each block; their workers' notes join `notes` (each once)."""
     for table in tables:
         for block in table.to_pylist():
+            if block["note"] is not None and block["note"] not in notes:
+                notes.append(block["note"])
             yield [((line, schema), output, error) for line, schema, output, error in zip(block["line"], block["schema"], block["output"], block["error"])]
 
 
@@ -241,8 +247,9 @@ def run_ray_batch(
             num_gpus=resources.gpus_per_worker or None,
         )
         tables = dataset.iter_batches(batch_size=None, batch_format="pyarrow") if blocks else iter(())
+        notes: list[str] = []
         try:
-            return job.append(scored_blocks(tables), progress)
+            return dataclasses.replace(job.append(scored_blocks(tables, notes), progress), notes=notes)
         except ray.exceptions.RayError as error:
             raise ClefError(f"a Ray worker failed: {worker_failure(error)}") from error
 
