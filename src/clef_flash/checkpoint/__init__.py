@@ -2,6 +2,7 @@
 
     open_checkpoint(source) -> Checkpoint        the front door, whatever the source (sources.py, bundle.py)
     build_model(checkpoint, plan)                strict loading into modules (loading.py; plan.py says how)
+    write_random_release(dir, config)            a random release in the real layout (random_release.py; `tiny`)
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from .bundle import is_bundle, open_bundle
 from .loading import ModelParts, build_model
 from .sources import RANDOM_PREFIX, Checkpoint, open_export, open_random, open_release, resolve_source
 from .coreml_layout import is_export
+from .random_release import RANDOM_CONFIGS, write_random_release
 
 
 def open_checkpoint(source: str | os.PathLike[str], *, revision: str | None = None, verify: bool = False) -> Checkpoint:
@@ -31,4 +33,4 @@ def open_checkpoint(source: str | os.PathLike[str], *, revision: str | None = No
     return open_release(root, source=text)
 
 
-__all__ = ["Checkpoint", "ModelParts", "build_model", "open_checkpoint"]
+__all__ = ["RANDOM_CONFIGS", "Checkpoint", "ModelParts", "build_model", "open_checkpoint", "write_random_release"]
