@@ -376,3 +376,31 @@ def test_importing_clef_flash_does_not_import_ray():
     code = "import sys, clef_flash, clef_flash.cli, clef_flash.batch, clef_flash.server, clef_flash.distributed; print('ray' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.stdout.strip() == "False", result.stderr
+
+
+def test_a_worker_whose_plan_differs_from_the_drivers_says_so(tiny_dir, caplog):
+    """The spec carries the driver's plan key; a worker whose machine resolves another plan (another W8A8 kernel, say)
+    runs its own and says so, in its log and in the job's notes, instead of re-resolving silently."""
+    import dataclasses
+
+    from clef_flash.distributed import EngineSpec
+    from clef_flash.distributed.ray_batch import scored_blocks
+
+    spec = EngineSpec.resolve(str(tiny_dir), precision="fp32", device="cpu", max_length=MAX_LENGTH)
+    model = spec.load()
+    assert spec.plan_key == model.plan.key and spec.plan_note(model) is None
+    driver = dataclasses.replace(spec, plan_key=spec.plan_key + "|another kernel")
+    with caplog.at_level("WARNING", logger="clef_flash.distributed"):
+        note = driver.plan_note(model)
+    assert note is not None and "not the driver's" in note and model.plan.key in note and note in caplog.text
+
+    class Table:  # what the scoring actors return, as Ray Data hands it back
+        def __init__(self, *notes):
+            self.blocks = [{"line": [n], "schema": [None], "output": [b"{}"], "error": [False], "note": note} for n, note in enumerate(notes)]
+
+        def to_pylist(self):
+            return self.blocks
+
+    notes: list[str] = []
+    lines = list(scored_blocks([Table(None, note), Table(note)], notes))
+    assert len(lines) == 3 and notes == [note]

@@ -46,10 +46,10 @@ class Encoder:
     """A checkpoint's tokenizer and processors: requests to token ids and spans, no weights loaded (what
     `clef-flash render` runs: `clef_flash.loader.open_encoder`). `Clef` is one, with an engine."""
 
-    def __init__(self, checkpoint: Checkpoint, *, max_length: int = DEFAULT_MAX_LENGTH):
+    def __init__(self, checkpoint: Checkpoint, *, max_length: int | None = DEFAULT_MAX_LENGTH):
         self.checkpoint = checkpoint
         self.tokenizer = checkpoint.tokenizer
-        self.max_length = max_length
+        self.max_length = DEFAULT_MAX_LENGTH if max_length is None else max_length  # tokens per record
 
     def parse(self, request: Any) -> SystemOneRequest:
         return request if isinstance(request, SystemOneRequest) else parse_request(request)
@@ -77,7 +77,7 @@ class Encoder:
 class Clef(Encoder):
     """A loaded clef-flash model: requests in, System One answers out."""
 
-    def __init__(self, checkpoint: Checkpoint, engine: Engine, *, max_length: int = DEFAULT_MAX_LENGTH):
+    def __init__(self, checkpoint: Checkpoint, engine: Engine, *, max_length: int | None = DEFAULT_MAX_LENGTH):
         super().__init__(checkpoint, max_length=max_length)
         self.engine = engine
         self.model_name = DEFAULT_MODEL_NAME

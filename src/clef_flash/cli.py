@@ -537,7 +537,7 @@ MODEL_OPTION_NAMES = tuple(option.dest for option in MODEL_OPTIONS)
 
 
 def max_length(what: str) -> Arg:
-    return arg("--max-length", type=positive_int, default=DEFAULT_MAX_LENGTH, help=f"token limit per record{what} (default {DEFAULT_MAX_LENGTH})")
+    return arg("--max-length", type=positive_int, help=f"token limit per record{what} (default {DEFAULT_MAX_LENGTH})")
 
 
 RAY_ARGUMENTS = (

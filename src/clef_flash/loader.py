@@ -64,7 +64,7 @@ def resolve_plan(
     return plan_of(open_checkpoint(source, revision=revision), device=device, precision=precision, coreml_runner=coreml_runner)
 
 
-def open_encoder(source: str | os.PathLike[str] = "tiny", *, revision: str | None = None, max_length: int = DEFAULT_MAX_LENGTH) -> Encoder:
+def open_encoder(source: str | os.PathLike[str] = "tiny", *, revision: str | None = None, max_length: int | None = None) -> Encoder:
     """What `load(source)` encodes requests with (its tokenizer and processors), without loading any weights."""
     return Encoder(open_checkpoint(source, revision=revision), max_length=max_length)
 
@@ -75,7 +75,7 @@ def load(
     device: str | torch.device = "auto",
     precision: str | None = None,
     revision: str | None = None,
-    max_length: int = DEFAULT_MAX_LENGTH,
+    max_length: int | None = DEFAULT_MAX_LENGTH,
     batch_tokens: int = DEFAULT_BATCH_TOKENS,
     verify: bool = False,
     resident_layers: int | None = None,
@@ -86,6 +86,7 @@ def load(
 ) -> Clef:
     """Load a model: a release or bundle directory, a Core ML export, a Hugging Face repo id, "tiny" (a
     generated random release) or "random:NAME[:SEED]" (random weights drawn in memory; names in RANDOM_CONFIGS).
+    `max_length`: the token limit of a record (None: DEFAULT_MAX_LENGTH, 65,536).
 
     `precision` (model/precision.py): fp32, bf16, fp64, int8 (= int8-weight-only) or int8-w8a8; None:
     $CLEF_FLASH_PRECISION, else the fastest path qualified for this checkpoint on this machine (`Clef.plan`

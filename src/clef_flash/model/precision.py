@@ -17,6 +17,7 @@ likewise, so that no few channels set a token's int8 scale.
 Always: the joint head in fp32 (it is small and decides the answer), the output-embedding rows it reads
 as stored (gathered, never converted whole), the kept projections (`KEPT_HIGH_PRECISION`) never int8, and
 the vision tower never int8 (under int8 it stays as released, in a bundle too). A new precision is one row in `PRECISIONS` (and, for a new int8 mode, a kernel in checkpoint/quant.py).
+What carries a precision through the runtime, with its W8A8 kernel, device and backend, is plan.py's `Plan`.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -60,9 +61,10 @@ COREML_PART_DTYPE = FP16
 COREML_HEAD_DTYPE = FP32
 COREML_TABLE_DTYPE = FP16
 # The op families (model/export.py, FAMILIES) the parts compute in fp32, everything else fp16: measured, each family
-# alone in fp16 and alone kept in fp32 (tests/test_coreml.py, test_fp16_twin_error_per_part_and_op_family), only the DeltaNet's gated RMSNorm
-# matters. It reads the delta rule's small outputs, and its overflow-safe form's eps / absmax^2 falls to fp16
-# subnormals there: all in fp16 the twins err 1.75e-1 (tiny) and 7.8e-2 (9b-heads), with it in fp32 1.5e-3.
+# alone in fp16 and alone kept in fp32 (tests/test_coreml.py, test_fp16_twin_error_per_part_and_op_family), only the
+# DeltaNet's gated RMSNorm matters. It reads the delta rule's small outputs, and its overflow-safe form's
+# eps / absmax^2 falls to fp16 subnormals there: all in fp16 the twins err 1.75e-1 (tiny) and 7.8e-2 (9b-heads),
+# with it in fp32 1.5e-3.
 COREML_FP32_FAMILIES = ("gated_norm",)
 
 
