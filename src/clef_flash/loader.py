@@ -79,7 +79,7 @@ def load(
     batch_tokens: int = DEFAULT_BATCH_TOKENS,
     verify: bool = False,
     resident_layers: int | None = None,
-    segment_tokens: int = DEFAULT_SEGMENT_TOKENS,
+    segment_tokens: int | None = DEFAULT_SEGMENT_TOKENS,
     state_cache_mb: float | None = None,
     coreml_runner: str | Runner | None = None,
     plan: Plan | None = None,
@@ -94,7 +94,7 @@ def load(
     memory-mapped; `verify` checks its files' sha256 first. A release loads in any precision (int8: quantized
     while loading). `resident_layers` (low-memory mode): at most that many decoder layers hold weights at
     once, each filled from the memory-mapped files just before it runs (slower: every forward reads every
-    layer). `segment_tokens`: the most tokens of a record one decoder step runs (prefill.py).
+    layer). `segment_tokens`: the most tokens of a record one decoder step runs (prefill.py; None: 2048).
     `state_cache_mb`: the bound of the state cache (state_cache.py); None: an eighth of this machine's
     memory, at most 4 GiB; 0: off (records of one call still share their states).
     A Core ML export runs as exported (no `precision`); `coreml_runner`: "coreml" (the default; macOS only)
@@ -109,6 +109,7 @@ def load(
     if plan.backend == COREML:
         backend = CoreMLBackend(checkpoint, plan, runner=coreml_runner or "coreml", verify=verify)
     else:
+        segment_tokens = DEFAULT_SEGMENT_TOKENS if segment_tokens is None else segment_tokens
         backend = TorchBackend(checkpoint, plan, resident_layers=resident_layers, segment_tokens=segment_tokens)
     cache_mb = default_state_cache_mb() if state_cache_mb is None else state_cache_mb
     if cache_mb < 0:

@@ -13,7 +13,18 @@ from .bundle import is_bundle, open_bundle
 from .loading import ModelParts, build_model
 from .sources import RANDOM_PREFIX, Checkpoint, open_export, open_random, open_release, resolve_source
 from .coreml_layout import is_export
-from .random_release import RANDOM_CONFIGS, write_random_release
+
+_LAZY = {"RANDOM_CONFIGS": "random_release", "write_random_release": "random_release"}
+
+
+def __getattr__(name: str):
+    # The random releases build the model's modules (torch's attention, dynamo): imported on first use, not by every
+    # `import clef_flash.checkpoint` (the command line's parser).
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def open_checkpoint(source: str | os.PathLike[str], *, revision: str | None = None, verify: bool = False) -> Checkpoint:
