@@ -115,10 +115,10 @@ def answer_step(answered: Path, precision: str | None, memory_gb: float | None) 
         sys.path.insert(0, "benchmarks")
         start = time.perf_counter()
         import clef_flash
-        import clef_flash.plan
+        import clef_flash.loader
         from common import typical_request
         if {memory_gb!r} is not None:  # the default as a machine with this much memory available chooses it
-            clef_flash.plan.available_memory_bytes = lambda: int({memory_gb!r} * 1e9)
+            clef_flash.loader.available_memory_bytes = lambda: int({memory_gb!r} * 1e9)
         model = clef_flash.load({str(answered)!r}, device="cpu", precision={precision!r})
         ready = time.perf_counter() - start
         request = typical_request()

@@ -14,7 +14,8 @@ import json
 import torch
 
 from clef_flash.checkpoint import open_checkpoint
-from clef_flash.plan import decoder_parameters, layer_parameters, resolve
+from clef_flash.machine import rates as machine_rates
+from clef_flash.plan import resolve
 
 
 def main() -> None:
@@ -23,12 +24,12 @@ def main() -> None:
     parser.add_argument("--config", default="27b", help="a random config name (27b, 9b, 27b-part, ...)")
     args = parser.parse_args()
     checkpoint = open_checkpoint(f"random:{args.config}")
-    plan = resolve(checkpoint, torch.device("cpu"), None, memory_bytes=int(args.memory_gib * 2**30))
-    layers = layer_parameters(checkpoint)
+    plan = resolve(checkpoint, torch.device("cpu"), None, rates=machine_rates, available_memory=lambda: int(args.memory_gib * 2**30))
+    layers = checkpoint.layer_parameters()
     print(json.dumps({
         "config": args.config,
-        "decoder_parameters": decoder_parameters(checkpoint),
-        "bf16_gb": round(2 * decoder_parameters(checkpoint) / 1e9, 1),
+        "decoder_parameters": checkpoint.decoder_parameters(),
+        "bf16_gb": round(2 * checkpoint.decoder_parameters() / 1e9, 1),
         "layers": len(layers),
         "largest_layer_parameters": max(layers),
         "memory_gib": args.memory_gib,

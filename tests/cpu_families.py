@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-import clef_flash.plan
+import clef_flash.loader
 from clef_flash import machine
 from clef_flash.checkpoint.w8a8 import FBGEMM, INT_MM, ONEDNN, W8A8_KERNELS, reference_kernel
 
@@ -43,7 +43,7 @@ FAMILIES: dict[str, machine.Rates] = {
 
 
 def imagine(monkeypatch, family: str | machine.Rates, **changes) -> machine.Rates:
-    """Make `clef_flash.plan` (every load after this, until monkeypatch undoes it) see `family`'s probe, with
+    """Make `load`'s plan (every load after this, until monkeypatch undoes it) see `family`'s probe, with
     `changes` to its rates; each of its exact kernels that is not exact on this CPU runs as its reference twin."""
     rates = FAMILIES[family] if isinstance(family, str) else family
     rates = dataclasses.replace(rates, **changes)
@@ -52,5 +52,5 @@ def imagine(monkeypatch, family: str | machine.Rates, **changes) -> machine.Rate
     for name in rates.kernels:
         if name not in here:  # not exact here, or a reference loop here (oneDNN's int8 on Zen 4: 0.2 GOP/s)
             monkeypatch.setitem(W8A8_KERNELS, name, reference_kernel(name, W8A8_KERNELS[name].levels))
-    monkeypatch.setattr(clef_flash.plan, "machine_rates", lambda: rates)
+    monkeypatch.setattr(clef_flash.loader, "machine_rates", lambda: rates)  # what `load` hands plan.resolve
     return rates

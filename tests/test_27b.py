@@ -17,7 +17,8 @@ import torch
 import clef_flash
 from clef_flash.checkpoint import open_checkpoint
 from clef_flash.checkpoint.random_release import RANDOM_CONFIGS, RandomTensors, release_config, tensor_table
-from clef_flash.plan import layer_parameters, resolve
+from clef_flash.machine import rates as machine_rates
+from clef_flash.plan import resolve
 from cpu_families import imagine
 
 GIB = 2**30
@@ -58,17 +59,17 @@ def test_the_default_plan_of_a_full_27b_on_a_24_gb_machine_is_8_bit_with_streame
     """The plan needs shapes only: `random:27b` opens without drawing a tensor."""
     imagine(monkeypatch, family)
     checkpoint = open_checkpoint("random:27b")
-    plan = resolve(checkpoint, torch.device("cpu"), None, memory_bytes=24 * GIB)
+    plan = resolve(checkpoint, torch.device("cpu"), None, rates=machine_rates, available_memory=lambda: 24 * GIB)
     print(f"\n{family}: {plan.describe()}")
     assert plan.name in ("int8-w8a8", "int8-weight-only") and plan.reason.startswith("streamed: ")
-    layers = layer_parameters(checkpoint)
+    layers = checkpoint.layer_parameters()
     assert 1 <= plan.resident_layers < len(layers) == 64
     assert plan.resident_layers * max(layers) < 0.8 * 24 * GIB  # int8: a byte a weight
     # The same machine holds a 9B whole, and 27B's plan with room for every layer streams none.
-    assert resolve(open_checkpoint("random:9b"), torch.device("cpu"), None, memory_bytes=24 * GIB).resident_layers is None
-    assert resolve(checkpoint, torch.device("cpu"), None, memory_bytes=64 * GIB).resident_layers is None
+    assert resolve(open_checkpoint("random:9b"), torch.device("cpu"), None, rates=machine_rates, available_memory=lambda: 24 * GIB).resident_layers is None
+    assert resolve(checkpoint, torch.device("cpu"), None, rates=machine_rates, available_memory=lambda: 64 * GIB).resident_layers is None
     with pytest.raises(clef_flash.ClefError, match="no qualified precision fits"):
-        resolve(checkpoint, torch.device("cpu"), None, memory_bytes=2 * GIB)  # not even one layer beside the embeddings
+        resolve(checkpoint, torch.device("cpu"), None, rates=machine_rates, available_memory=lambda: 2 * GIB)  # not even one layer beside the embeddings
 
 
 def reference_backbone(name: str) -> torch.nn.Module:
@@ -120,15 +121,15 @@ def test_27b_part_matches_transformers_and_the_authors_head_fp32(reference, hf_t
 def test_the_default_streams_layers_when_no_precision_fits_whole(tiny_dir, monkeypatch, one_torch_thread):
     """tiny on a machine with room for 2 of its 4 layers beside its embeddings: the default loads 8-bit, 2 layers
     resident, and answers as the same precision held whole does."""
-    import clef_flash.plan
+    import clef_flash.loader
 
     from clef_flash.model.precision import BYTES_PER_PARAMETER, MEMORY_SHARE
 
     checkpoint = open_checkpoint(tiny_dir)
-    layers = layer_parameters(checkpoint)
-    rest = clef_flash.plan.decoder_parameters(checkpoint) - sum(layers)
+    layers = checkpoint.layer_parameters()
+    rest = checkpoint.decoder_parameters() - sum(layers)
     memory = int((rest + 2.5 * max(layers)) * BYTES_PER_PARAMETER["int8-w8a8"] / MEMORY_SHARE)
-    monkeypatch.setattr(clef_flash.plan, "available_memory_bytes", lambda: memory)
+    monkeypatch.setattr(clef_flash.loader, "available_memory_bytes", lambda: memory)
     streamed = clef_flash.load(tiny_dir, device="cpu", state_cache_mb=0)
     assert streamed.plan.resident_layers == 2 and streamed.plan.reason.startswith("streamed: ")
     assert streamed.parts.decoder.layers[0].window.size == 2

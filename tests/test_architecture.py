@@ -1,4 +1,5 @@
-"""The package's shape holds: no import circles, `testing/` used only by tests, one precision policy.
+"""The package's shape holds: no import circles, `testing/` used only by tests, one precision policy, the plan made
+in plan.py only, and a command line that only calls the API.
 
 Imports are read from the source: every `import` and `from ... import`, at module level, inside a
 function or under `if TYPE_CHECKING:`, so a lazy or type-only import that closes a circle is caught too.
@@ -9,6 +10,7 @@ Importing `a.b.c` runs the packages `a.b` first: an import counts as one of each
 from __future__ import annotations
 
 import ast
+import os
 import re
 from pathlib import Path
 
@@ -144,3 +146,80 @@ def test_cli_precision_choices_are_what_the_policy_parses():
         assert parse_precision(name).name in PRECISIONS
     with pytest.raises(ValueError, match="unknown precision 'fp16'"):
         parse_precision("fp16")
+
+
+# -- the plan is the one currency; the shells only call the API (issue 41) ------------------------
+
+
+def constructor_calls(path: Path, name: str) -> list[int]:
+    """The lines of `path` that call `name(...)` or `something.name(...)`."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call):
+            called = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", None)
+            if called == name:
+                lines.append(node.lineno)
+    return lines
+
+
+def test_only_plan_py_constructs_a_plan():
+    """Every place that needs a plan gets it from a named constructor of plan.py (resolve, coreml_plan, ...)."""
+    offenders = [
+        f"{path.relative_to(PACKAGE_ROOT).as_posix()}:{line}"
+        for path in sorted(PACKAGE_ROOT.rglob("*.py"))
+        if path.relative_to(PACKAGE_ROOT).as_posix() != "plan.py"
+        for line in constructor_calls(path, "Plan")
+    ]
+    assert not offenders, offenders
+    assert constructor_calls(PACKAGE_ROOT / "plan.py", "Plan")  # the check sees the constructors it allows
+
+
+def test_the_cli_imports_the_api_not_model_or_checkpoint_internals():
+    """cli.py parses, calls the public API and prints: nothing from model/, and of checkpoint/ only its front door
+    (the package itself), never a module inside it."""
+    imported = import_graph()[f"{PACKAGE}.cli"]
+    offenders = sorted(
+        name for name in imported if name.startswith(f"{PACKAGE}.model") or name.startswith(f"{PACKAGE}.checkpoint.")
+    )
+    assert not offenders, offenders
+    assert f"{PACKAGE}.loader" in imported and f"{PACKAGE}.server.settings" in imported
+
+
+CLI_LINE_BUDGET = 760  # the commands and their help tables; logic belongs to the API, not here
+
+
+def test_the_cli_stays_within_its_line_budget():
+    lines = len((PACKAGE_ROOT / "cli.py").read_text().splitlines())
+    assert lines <= CLI_LINE_BUDGET, f"cli.py is {lines} lines (budget {CLI_LINE_BUDGET}): move what computes into the API"
+
+
+def test_the_front_ends_share_settings_not_each_other():
+    """The MCP tools take the server's settings and checks from server/settings.py, never from the HTTP app; there
+    is one uvicorn server function (server/transport.py)."""
+    graph = import_graph()
+    assert f"{PACKAGE}.server.app" not in graph[f"{PACKAGE}.server.mcp_tools"]
+    assert f"{PACKAGE}.server.settings" in graph[f"{PACKAGE}.server.mcp_tools"]
+    defining = [path.name for path in sorted((PACKAGE_ROOT / "server").glob("*.py")) if "def uvicorn_server(" in path.read_text()]
+    assert defining == ["transport.py"]
+
+
+def test_the_cli_parser_imports_no_web_framework():
+    """`serve`'s and `mcp`'s flags come from ServerSettings without importing FastAPI (a `[serve]` extra)."""
+    import subprocess
+    import sys
+
+    code = "import sys, clef_flash.cli as cli; cli.build_parser(); print('fastapi' in sys.modules, 'uvicorn' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert result.stdout.split() == ["False", "False"], result.stdout + result.stderr
+
+
+def test_serve_and_mcp_flags_are_the_settings_fields_with_their_defaults():
+    from clef_flash.cli import build_parser
+    from clef_flash.server.settings import ServerSettings
+
+    defaults = ServerSettings()
+    for command in ("serve", "mcp"):
+        args = build_parser().parse_args([command])
+        for name in ServerSettings.flags(command):
+            expected = os.environ.get("CLEF_FLASH_API_KEY") if name == "api_key" else getattr(defaults, name)
+            assert getattr(args, name) == expected, (command, name)

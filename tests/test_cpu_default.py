@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import clef_flash
-import clef_flash.plan
+import clef_flash.loader
 from clef_flash import machine
 from clef_flash.checkpoint.quant import Int8Linear, TwoDigitLinear, W8A8Linear, WeightOnlyLinear, quantize_per_channel
 from clef_flash.checkpoint.random_release import write_random_release
@@ -268,10 +268,10 @@ def test_nothing_fitting_is_one_line_with_the_sizes():
 
 def test_load_quantizes_a_release_that_does_not_fit_dense(tiny_dir, monkeypatch):
     monkeypatch.delenv("CLEF_FLASH_PRECISION", raising=False)
-    parameters = clef_flash.plan.decoder_parameters(clef_flash.checkpoint.open_checkpoint(tiny_dir))
+    parameters = clef_flash.checkpoint.open_checkpoint(tiny_dir).decoder_parameters()
     room = int(parameters * 1.5 / 0.8)  # int8 fits, no dense copy does
     imagine(monkeypatch, "none")
-    monkeypatch.setattr(clef_flash.plan, "available_memory_bytes", lambda: room)
+    monkeypatch.setattr(clef_flash.loader, "available_memory_bytes", lambda: room)
     model = clef_flash.load(tiny_dir, device="cpu")
     assert model.precision == "int8-weight-only" and "too big for memory" in model.plan.reason
     assert all(isinstance(m, WeightOnlyLinear) for m in model.parts.decoder.modules() if isinstance(m, Int8Linear))

@@ -26,7 +26,8 @@ import clef_flash
 from clef_flash.errors import RequestInvalid
 from clef_flash.request.protocol import SystemOneRequest, SystemOneResponse
 from clef_flash.server.app import ServerSettings
-from clef_flash.server.mcp_tools import CLASSIFY_INSTRUCTIONS, CLASSIFY_QUESTION, ToolServer, uvicorn_server
+from clef_flash.server.mcp_tools import CLASSIFY_INSTRUCTIONS, CLASSIFY_QUESTION, ToolServer
+from clef_flash.server.transport import uvicorn_server
 from clef_flash.sets import SETS_DIR_ENV, SetStore
 from clef_flash.testing.server import server_thread
 

@@ -376,3 +376,4 @@ def test_importing_clef_flash_does_not_import_ray():
     code = "import sys, clef_flash, clef_flash.cli, clef_flash.batch, clef_flash.server, clef_flash.distributed; print('ray' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.stdout.strip() == "False", result.stderr
+

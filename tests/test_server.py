@@ -602,7 +602,7 @@ def test_serve_command(model, monkeypatch, capsys):
             "verify": False,
             "resident_layers": None,
             "state_cache_mb": 64.0,
-            "segment_tokens": 2048,
+            "segment_tokens": None,  # load's default (2048)
             "coreml_runner": None,
             "max_length": 512,
         },

@@ -43,16 +43,47 @@ class Prepared:
         )
 
 
-class Clef:
+class Encoder:
+    """A checkpoint's tokenizer and processors: requests to token ids and spans, no weights loaded (what
+    `clef-flash render` runs: `clef_flash.loader.open_encoder`). `Clef` is one, with an engine."""
+
+    def __init__(self, checkpoint: Checkpoint, *, max_length: int | None = DEFAULT_MAX_LENGTH):
+        self.checkpoint = checkpoint
+        self.tokenizer = checkpoint.tokenizer
+        self.max_length = DEFAULT_MAX_LENGTH if max_length is None else max_length  # tokens per record
+
+    def parse(self, request: Any) -> SystemOneRequest:
+        return request if isinstance(request, SystemOneRequest) else parse_request(request)
+
+    def encode(self, request: Any, *, truncate_state: bool = False) -> EncodedRecord:
+        """Validate a request and render it to token ids and spans (SPEC §3)."""
+        return encode_record(
+            self.tokenizer,
+            self.parse(request),
+            max_length=self.max_length,
+            truncate_state=truncate_state,
+            image_processor=self.checkpoint.image_processor,
+            video_processor=self.checkpoint.video_processor,
+        )
+
+    def marked_text(self, record: EncodedRecord) -> str:
+        """An encoded record's prompt with every question and option span marked (request/records.py)."""
+        return marked_text(self.tokenizer, record)
+
+    def render(self, request: Any, *, truncate_state: bool = False) -> str:
+        """The rendered prompt with every question and option span marked."""
+        return self.marked_text(self.encode(request, truncate_state=truncate_state))
+
+
+class Clef(Encoder):
     """A loaded clef-flash model: requests in, System One answers out."""
 
-    def __init__(self, checkpoint: Checkpoint, engine: Engine, *, max_length: int = DEFAULT_MAX_LENGTH):
-        self.checkpoint = checkpoint
+    def __init__(self, checkpoint: Checkpoint, engine: Engine, *, max_length: int | None = DEFAULT_MAX_LENGTH):
+        super().__init__(checkpoint, max_length=max_length)
         self.engine = engine
-        self.tokenizer = checkpoint.tokenizer
-        self.max_length = max_length
         self.model_name = DEFAULT_MODEL_NAME
         self.last_timings = Timings()
+        self.last_records: list[EncodedRecord] = []  # the last call's records (a truncated state's counts)
 
     # -- what it is ---------------------------------------------------------------------------
 
@@ -156,20 +187,6 @@ class Clef:
 
     # -- requests --------------------------------------------------------------------------
 
-    def parse(self, request: Any) -> SystemOneRequest:
-        return request if isinstance(request, SystemOneRequest) else parse_request(request)
-
-    def encode(self, request: Any, *, truncate_state: bool = False) -> EncodedRecord:
-        """Validate a request and render it to token ids and spans (SPEC §3)."""
-        return encode_record(
-            self.tokenizer,
-            self.parse(request),
-            max_length=self.max_length,
-            truncate_state=truncate_state,
-            image_processor=self.checkpoint.image_processor,
-            video_processor=self.checkpoint.video_processor,
-        )
-
     def prepare(self, request: Any, *, truncate_state: bool = False) -> Prepared:
         """Parse and encode a request (raises RequestInvalid / RecordTooLong, before any inference), and
         check that the backend can run it."""
@@ -179,10 +196,6 @@ class Clef:
         prepared = Prepared(parsed, record if adapter is None else dataclasses.replace(record, adapter=adapter))
         self.engine.backend.check(prepared.record)
         return prepared
-
-    def render(self, request: Any, *, truncate_state: bool = False) -> str:
-        """The rendered prompt with every question and option span marked (request/records.py)."""
-        return marked_text(self.tokenizer, self.encode(request, truncate_state=truncate_state))
 
     def respond(self, prepared: Prepared, results: Sequence[QuestionResult], *, decimals: int | None = 4) -> dict[str, Any]:
         """The System One body of a prepared request from its scored questions."""
@@ -238,4 +251,5 @@ class Clef:
         results = self.score([item.record for item in prepared], timings) if prepared else []
         timings.total_ms = (time.perf_counter() - start) * 1000
         self.last_timings = timings
+        self.last_records = [item.record for item in prepared]
         return prepared, results

@@ -21,6 +21,11 @@ def convert(
     revision: str | None = None,
     overwrite: bool = False,
     progress: bool = True,
+    verify: bool = False,
 ) -> Path:
-    """Convert the release `source` (a directory, a hub id, "tiny") to a bundle at `destination`."""
-    return bundle.convert(source, destination, revision=revision, overwrite=overwrite, progress=progress)
+    """Convert the release `source` (a directory, a hub id, "tiny") to a bundle at `destination`; `verify`: then
+    check the written files against the manifest's checksums."""
+    out = bundle.convert(source, destination, revision=revision, overwrite=overwrite, progress=progress)
+    if verify:
+        bundle.verify_checksums(out)
+    return out

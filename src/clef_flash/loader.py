@@ -4,22 +4,27 @@
     load("tiny") / load(DIR) / load("Cloudflare/clef-flash") / load("random:9b-part")   torch backend
     load(EXPORT)                         a Core ML export: Core ML on macOS
     load(EXPORT, coreml_runner="torch")  the export's traced fp32 twins standing in for Core ML (anywhere)
+    resolve_plan(source, ...)            the plan `load` would run in, nothing built (batch's progress file)
+    open_encoder(source)                 requests to token ids and spans, no weights (`clef-flash render`)
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any
 from collections.abc import Mapping
 
 import torch
 
 from .checkpoint import Checkpoint, open_checkpoint
+from .checkpoint.adapters import adapter_name_of, adapter_options, read_adapters, side_by_side
 from .coreml.host import Runner
-from .clef import Clef
+from .clef import Clef, Encoder
 from .engine import DEFAULT_BATCH_TOKENS, KEEP_FROM_TOKENS, Engine
 from .errors import ClefError
-from .model.precision import COREML, Plan
-from .plan import coreml_plan, resolve
+from .machine import available_memory_bytes
+from .machine import rates as machine_rates
+from .plan import COREML, Plan, coreml_plan, resolve
 from .prefill import DEFAULT_SEGMENT_TOKENS
 from .request.records import DEFAULT_MAX_LENGTH
 from .state_cache import MEBIBYTE, StateCache, default_state_cache_mb
@@ -47,7 +52,32 @@ def plan_of(checkpoint: Checkpoint, *, device: str | torch.device = "auto", prec
         return coreml_plan(runner if isinstance(runner, str) else type(runner).__name__)
     if coreml_runner is not None:
         raise ClefError(f"{checkpoint.where} is not a Core ML export: --coreml-runner applies to exports only")
-    return resolve(checkpoint, pick_device(device), precision)
+    return resolve(checkpoint, pick_device(device), precision, rates=machine_rates, available_memory=available_memory_bytes)
+
+
+def resolve_plan(
+    source: str | os.PathLike[str] = "tiny",
+    *,
+    device: str | torch.device = "auto",
+    precision: str | None = None,
+    revision: str | None = None,
+    coreml_runner: str | Runner | None = None,
+) -> Plan:
+    """The plan `load(source, ...)` would run in on this machine, without loading any weights."""
+    return plan_of(open_checkpoint(source, revision=revision), device=device, precision=precision, coreml_runner=coreml_runner)
+
+
+def describe_adapters(source: str | os.PathLike[str], values: list[str], *, revision: str | None = None) -> list[dict[str, Any]]:
+    """The command line's `--adapter` values (`adapter_options`) read and checked against `source`'s config, without
+    building the base: each adapter's name, rank, projections, bytes and path (what `info` lists)."""
+    options = adapter_options(values)
+    paths = {**({adapter_name_of(options["adapter"]): options["adapter"]} if "adapter" in options else {}), **options.get("adapters", {})}
+    return [item.describe() for item in read_adapters(open_checkpoint(source, revision=revision), paths).values()]
+
+
+def open_encoder(source: str | os.PathLike[str] = "tiny", *, revision: str | None = None, max_length: int | None = None) -> Encoder:
+    """What `load(source)` encodes requests with (its tokenizer and processors), without loading any weights."""
+    return Encoder(open_checkpoint(source, revision=revision), max_length=max_length)
 
 
 def load(
@@ -56,18 +86,20 @@ def load(
     device: str | torch.device = "auto",
     precision: str | None = None,
     revision: str | None = None,
-    max_length: int = DEFAULT_MAX_LENGTH,
+    max_length: int | None = DEFAULT_MAX_LENGTH,
     batch_tokens: int = DEFAULT_BATCH_TOKENS,
     verify: bool = False,
     resident_layers: int | None = None,
-    segment_tokens: int = DEFAULT_SEGMENT_TOKENS,
+    segment_tokens: int | None = DEFAULT_SEGMENT_TOKENS,
     state_cache_mb: float | None = None,
     coreml_runner: str | Runner | None = None,
     adapter: str | os.PathLike[str] | None = None,
     adapters: Mapping[str, str | os.PathLike[str]] | None = None,
+    plan: Plan | None = None,
 ) -> Clef:
     """Load a model: a release or bundle directory, a Core ML export, a Hugging Face repo id, "tiny" (a
     generated random release) or "random:NAME[:SEED]" (random weights drawn in memory; names in RANDOM_CONFIGS).
+    `max_length`: the token limit of a record (None: DEFAULT_MAX_LENGTH, 65,536).
 
     `precision` (model/precision.py): fp32, bf16, fp64, int8 (= int8-weight-only) or int8-w8a8; None:
     $CLEF_FLASH_PRECISION, else the fastest path qualified for this checkpoint on this machine (`Clef.plan`
@@ -75,18 +107,18 @@ def load(
     memory-mapped; `verify` checks its files' sha256 first. A release loads in any precision (int8: quantized
     while loading). `resident_layers` (low-memory mode): at most that many decoder layers hold weights at
     once, each filled from the memory-mapped files just before it runs (slower: every forward reads every
-    layer). `segment_tokens`: the most tokens of a record one decoder step runs (prefill.py).
+    layer). `segment_tokens`: the most tokens of a record one decoder step runs (prefill.py; None: 2048).
     `state_cache_mb`: the bound of the state cache (state_cache.py); None: an eighth of this machine's
     memory, at most 4 GiB; 0: off (records of one call still share their states).
     A Core ML export runs as exported (no `precision`); `coreml_runner`: "coreml" (the default; macOS only)
-    or "torch" (its traced fp32 twins, rebuilt from the source it was exported from).
+    or "torch" (its traced fp32 twins, rebuilt from the source it was exported from). `plan`: run in this plan
+    (from `resolve_plan` on this machine), not one resolved again.
     `adapter`: a clef-finetune checkpoint directory (adapter/ + joint_head.safetensors) that answers as the
     fine-tune does (merged into 16/32-bit weights; kept apart beside int8 ones). `adapters`: name -> checkpoint
     directory, loaded beside one copy of the base; a request picks one by its `adapter` field (left out: the
     `adapter` given here, else the base). Strict: an adapter for another base, without its head, or with a PEFT
     option that is not plain LoRA is refused (checkpoint/adapters.py).
     """
-    from .checkpoint.adapters import adapter_name_of, read_adapters
     from .engine.coreml_backend import CoreMLBackend
     from .engine.torch_backend import TorchBackend
 
@@ -99,14 +131,15 @@ def load(
         paths[default_adapter] = os.fspath(adapter)
 
     checkpoint = open_checkpoint(source, revision=revision, verify=verify)
-    plan = plan_of(checkpoint, device=device, precision=precision, coreml_runner=coreml_runner)
+    plan = plan or plan_of(checkpoint, device=device, precision=precision, coreml_runner=coreml_runner)
     if plan.backend == COREML:
         if paths:
             raise ClefError(f"{checkpoint.where} is a Core ML export: adapters run on the torch backend (load the release)")
-        backend = CoreMLBackend(checkpoint, runner=coreml_runner or "coreml", verify=verify)
+        backend = CoreMLBackend(checkpoint, plan, runner=coreml_runner or "coreml", verify=verify)
     else:
         read = read_adapters(checkpoint, paths) if paths else None  # checked before the base is built
         resident_layers = resident_layers or plan.resident_layers  # the default streams what does not fit
+        segment_tokens = DEFAULT_SEGMENT_TOKENS if segment_tokens is None else segment_tokens
         backend = TorchBackend(
             checkpoint, plan, resident_layers=resident_layers, segment_tokens=segment_tokens, adapters=read, default_adapter=default_adapter
         )

@@ -31,6 +31,7 @@ from .checkpoint.rotation import rotate
 from .checkpoint.w8a8 import W8A8_KERNELS, exactness_error
 from .checkpoint.vocab import cache_dir
 from .model.precision import BF16, SEVEN_BIT_ONE_DIGIT_SHARE
+from .plan import defaults
 
 PROBE_VERSION = 9  # 2: kernels qualified on exactness first; the rates of every kernel, the excluded ones; 3: fp16_packed; 4: two_digit;
 # 5: W8A8's kernel is the fastest exact one with 8-bit activations before any with 7; 6: the rotated scheme's W8A8
@@ -235,6 +236,22 @@ def describe(machine: Machine, measured: Rates) -> dict:
         },
     }
 
+
+
+def report(reprobe: bool = False) -> dict:
+    """What `clef-flash info` shows: `describe`, CUDA, and the default precision for a release and a bundle with why
+    (plan.py `defaults`); `reprobe`: measure the rates again instead of reading the cached probe."""
+    here = this_machine()
+    if reprobe:
+        forget_rates(here)
+    measured = rates(here)
+    return {
+        **describe(here, measured),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "default_precision": {kind: {"precision": value.name, "why": value.reason} for kind, value in defaults(measured).items()},
+        "feature_flags": FEATURE_FLAGS,  # those looked for
+        "kernel_notes": {name: kernel_note(name, gops, measured.fp32) for name, gops in measured.kernels.items()},
+    }
 
 
 def peak_rss_mb() -> float:

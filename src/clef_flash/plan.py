@@ -1,78 +1,129 @@
-"""The plan: how a checkpoint runs on this machine, decided once and read by everything after.
+"""The plan: how a checkpoint runs on a machine, decided once and carried as one thing by everything after.
 
-    resolve(checkpoint, device, requested) -> Plan   (the Plan itself: model/precision.py)
+    resolve(checkpoint, device, requested, rates=..., available_memory=...)  what `load` runs (loader.py)
+    coreml_plan(runner)       a Core ML export: as exported
+    shapes_plan()             building a bundle's modules from names and shapes alone (checkpoint/bundle.py)
+    export_plan(stored_int8)  filling the Core ML export twins (coreml/modules.py)
+    defaults(rates)           what `resolve` picks on a CPU with those rates, for a release and a bundle (`info`)
 
 A `Plan` is the precision (name, compute dtype, int8 mode: model/precision.py), the W8A8 kernel (from the
-machine's probe: machine.py), the device, the backend, and the reason. `resolve` is the only caller of the probe; `build_model`, the CLI,
-conversion, Ray's engine spec, the Core ML export and the state cache's key take the plan. A new precision is a row of
-`model.precision.PRECISIONS`; a new kernel is an entry of `checkpoint.w8a8.W8A8_KERNELS` (the probe times
-and qualifies it); a new backend is a `backend` name here and a class in engine/.
+machine's probe), the device, the backend, and the reason. Nothing else constructs one (tests/test_architecture.py).
+The probe's figures are handed in (`rates`, `available_memory`: machine.py, read by loader.py), so that this module
+sits below everything that takes a plan (checkpoint/ builds modules with it) and imports only the precision policy.
+`build_model`, conversion, Ray's engine spec, the Core ML export and the state cache's key take the plan; `Plan.key`
+is the whole of it, what Ray's workers compare with the driver's. A new precision is a row of
+`model.precision.PRECISIONS`; a new kernel is an entry of `checkpoint.w8a8.W8A8_KERNELS` (the probe times and
+qualifies it); a new backend is a `backend` name here and a class in engine/.
 """
 
 from __future__ import annotations
 
-import math
-from typing import Any
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
-from .checkpoint.names import DECODER_PREFIX, LM_HEAD
 from .errors import ClefError
-from .checkpoint.w8a8 import W8A8_KERNELS
-from .machine import available_memory_bytes
-from .machine import rates as machine_rates
 from .model.precision import (
     BYTES_PER_PARAMETER,
-    COREML,
     COREML_PRECISION,
     MEMORY_SHARE,
+    PRECISION_CHOICES,
     PRECISIONS,
     W8A8,
-    Plan,
     Precision,
+    Rates,
     choose_precision,
-    is_scale,
     resolve_precision,
     w8a8_kernel,
     weight_only_rate,
 )
 
-LAYERS_PREFIX = DECODER_PREFIX + "layers."
+TORCH, COREML = "torch", "coreml"
+BACKENDS = (TORCH, COREML)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a model runs (made by this module's constructors only). `key` is the whole plan: what the state cache's
+    identity includes and what a Ray worker compares with the driver's."""
+
+    precision: Precision
+    device: torch.device
+    kernel: str | None = None  # the W8A8 kernel (checkpoint/w8a8.py); None unless W8A8 on a CPU
+    backend: str = TORCH
+    activation_bits: int | None = None  # W8A8's activations on its kernel: 8, or 7 (FBGEMM); None unless W8A8 on a CPU
+    # Streamed (the default when no precision fits memory whole): at most this many decoder layers hold weights at once,
+    # each filled from the memory-mapped files as it runs (`load(resident_layers=)`). None: all resident. Not in `key`:
+    # streaming changes where the weights wait, not what is computed.
+    resident_layers: int | None = None
+
+    @property
+    def name(self) -> str:
+        return self.precision.name
+
+    @property
+    def reason(self) -> str:
+        return self.precision.reason
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.precision.compute_dtype
+
+    @property
+    def int8_mode(self) -> str | None:
+        return self.precision.int8_mode
+
+    @property
+    def key(self) -> str:
+        return "|".join(
+            map(str, (self.backend, self.name, self.compute_dtype, self.int8_mode, self.kernel, self.device))
+        )
+
+    def describe(self) -> dict[str, Any]:
+        """What `info`, `/health` and `Clef.plan` show."""
+        return {
+            "backend": self.backend,
+            "precision": self.name,
+            "compute_dtype": str(self.compute_dtype).removeprefix("torch."),
+            "int8_mode": self.int8_mode,
+            "kernel": self.kernel,
+            "activation_bits": self.activation_bits,
+            "device": str(self.device),
+            "resident_layers": self.resident_layers,
+            "reason": self.reason,
+        }
+
+    def with_reason(self, reason: str) -> Plan:
+        return dataclasses.replace(self, precision=self.precision.with_reason(reason))
+
+
+class Resolvable(Protocol):
+    """What `resolve` reads of a checkpoint (checkpoint/sources.py `Checkpoint`)."""
+
+    stored_int8: bool
+    where: str
+
+    def decoder_parameters(self) -> int | None: ...
+
+    def layer_parameters(self) -> list[int]: ...
+
+
 TOO_BIG = "no qualified precision fits this machine's memory"  # choose_precision's words when nothing fits whole
 
-__all__ = ["Plan", "coreml_plan", "resolve"]
 
-
-def decoder_parameters(checkpoint: Any) -> int | None:
-    """The decoder's parameters (the output embeddings aside: their rows are gathered, never held whole)."""
-    tensors = checkpoint.tensors
-    if tensors is None:
-        return None
-    return sum(math.prod(tensors.shape(name)) for name in tensors.keys() if name != LM_HEAD and not is_scale(name))
-
-
-def layer_parameters(checkpoint: Any) -> list[int]:
-    """Each decoder layer's parameters, in layer order (what streaming holds one at a time)."""
-    tensors = checkpoint.tensors
-    counts: dict[int, int] = {}
-    for name in tensors.keys() if tensors is not None else ():
-        if name.startswith(LAYERS_PREFIX) and not is_scale(name):
-            index = int(name[len(LAYERS_PREFIX) :].split(".", 1)[0])
-            counts[index] = counts.get(index, 0) + math.prod(tensors.shape(name))
-    return [counts[index] for index in sorted(counts)]
-
-
-def streamed(checkpoint: Any, memory_bytes: int, too_big: str) -> tuple[Precision, int]:
+def streamed(checkpoint: Resolvable, measured: Rates, memory_bytes: int, too_big: str) -> tuple[Precision, int]:
     """When no precision fits memory whole: the faster qualified 8-bit path, with as many decoder layers resident as
     fit in MEMORY_SHARE of `memory_bytes` beside the rest of the model (counted as `choose_precision` counts it), the
     others read from the memory-mapped files as they run. Not even one layer fitting is `too_big`, raised as it was."""
-    layers = layer_parameters(checkpoint)
+    layers = checkpoint.layer_parameters()
     if not layers:
         raise ValueError(too_big)
-    measured = machine_rates()
     names = [name for name in ("int8-w8a8", "int8-weight-only") if name != "int8-w8a8" or measured.int8_kernel is not None]
     name = max(names, key=lambda name: measured.int8 if name == "int8-w8a8" else weight_only_rate(measured))
-    rest = (decoder_parameters(checkpoint) or 0) - sum(layers)
+    rest = (checkpoint.decoder_parameters() or 0) - sum(layers)
     room = MEMORY_SHARE * memory_bytes - rest * BYTES_PER_PARAMETER[name]
     resident = min(len(layers) - 1, int(room // (max(layers) * BYTES_PER_PARAMETER[name])))
     if resident < 1:
@@ -87,37 +138,44 @@ def streamed(checkpoint: Any, memory_bytes: int, too_big: str) -> tuple[Precisio
     return PRECISIONS[name].with_reason(reason), resident
 
 
-def resolve(checkpoint: Any, device: torch.device, requested: str | None, *, memory_bytes: int | None = None) -> Plan:
-    """The plan `checkpoint` (anything with `stored_int8`, `where` and `tensors`) runs in on `device`:
-    `requested`, else $CLEF_FLASH_PRECISION, else the fastest qualified path on this machine; when none fits its
-    memory whole (`memory_bytes`, default: what is available now), 8-bit with streamed layers."""
+def resolve(
+    checkpoint: Resolvable,
+    device: torch.device,
+    requested: str | None,
+    *,
+    rates: Callable[[], Rates],
+    available_memory: Callable[[], int | None],
+) -> Plan:
+    """The plan `checkpoint` runs in on `device`: `requested`, else $CLEF_FLASH_PRECISION, else the fastest qualified
+    path on this machine (`rates`: the machine's probe; `available_memory`: its free bytes, weighed only then); when
+    none fits that memory whole, 8-bit with streamed layers (`Plan.resident_layers`)."""
     choosing = requested is None and device.type == "cpu"  # only the default weighs sizes against memory
-    memory = (memory_bytes or available_memory_bytes()) if choosing else None
+    memory = available_memory() if choosing else None
     resident = None
     try:
         precision = resolve_precision(
             requested,
             device,
             stored_int8=checkpoint.stored_int8,
-            rates=machine_rates,
-            parameters=decoder_parameters(checkpoint) if choosing else None,
+            rates=rates,
+            parameters=checkpoint.decoder_parameters() if choosing else None,
             memory_bytes=memory,
         )
     except ValueError as exc:
         try:
-            if not (choosing and str(exc).startswith(TOO_BIG)):
+            if not (choosing and memory and str(exc).startswith(TOO_BIG)):
                 raise
-            precision, resident = streamed(checkpoint, memory, str(exc))
+            precision, resident = streamed(checkpoint, rates(), memory, str(exc))
         except ValueError as exc:
             raise ClefError(f"{checkpoint.where} {exc}" if checkpoint.stored_int8 else str(exc)) from None
     if precision.int8_mode != W8A8 or device.type != "cpu":
         return Plan(precision, device, resident_layers=resident)
-    measured = machine_rates()
+    measured = rates()
     try:
         kernel = w8a8_kernel(measured)  # exact kernels only: forced or not
     except ValueError as exc:
         raise ClefError(str(exc)) from None
-    return Plan(precision, device, kernel=kernel, activation_bits=W8A8_KERNELS[kernel].activation_bits, resident_layers=resident)
+    return Plan(precision, device, kernel=kernel, activation_bits=measured.int8_bits, resident_layers=resident)
 
 
 def coreml_plan(runner: str) -> Plan:
@@ -126,3 +184,25 @@ def coreml_plan(runner: str) -> Plan:
         "a Core ML export run by its traced fp32 torch twins (--coreml-runner torch), standing in for Core ML"
     )
     return Plan(precision, torch.device("cpu"), backend=COREML)
+
+
+def shapes_plan() -> Plan:
+    """A bundle's modules built on the meta device from names and shapes alone: the strict check of a conversion."""
+    return Plan(PRECISIONS["int8-weight-only"].with_reason("checking a bundle's names and shapes"), torch.device("meta"))
+
+
+def export_plan(stored_int8: bool) -> Plan:
+    """The Core ML export twins, filled on the CPU: in fp32, an 8-bit bundle's projections as int8 weight-only
+    first (then made dense by coreml/modules.py)."""
+    name = "int8-weight-only" if stored_int8 else "fp32"
+    return Plan(PRECISIONS[name].with_reason("filling the Core ML export twins"), torch.device("cpu"))
+
+
+def defaults(rates: Rates) -> dict[str, Precision]:
+    """What `resolve` picks on a CPU with `rates` when nothing is asked for, for a release and for an 8-bit bundle
+    (memory aside: that depends on the model's size)."""
+    cpu = torch.device("cpu")
+    return {kind: choose_precision(cpu, stored_int8=stored, rates=lambda: rates) for kind, stored in (("release", False), ("bundle", True))}
+
+
+__all__ = ["BACKENDS", "COREML", "PRECISION_CHOICES", "TORCH", "Plan", "coreml_plan", "defaults", "export_plan", "resolve", "shapes_plan"]

@@ -2,6 +2,7 @@
 
     open_checkpoint(source) -> Checkpoint        the front door, whatever the source (sources.py, bundle.py)
     build_model(checkpoint, plan)                strict loading into modules (loading.py; plan.py says how)
+    write_random_release(dir, config)            a random release in the real layout (random_release.py; `tiny`)
 """
 
 from __future__ import annotations
@@ -12,6 +13,18 @@ from .bundle import is_bundle, open_bundle
 from .loading import ModelParts, build_model
 from .sources import RANDOM_PREFIX, Checkpoint, open_export, open_random, open_release, resolve_source
 from .coreml_layout import is_export
+
+_LAZY = {"RANDOM_CONFIGS": "random_release", "write_random_release": "random_release"}
+
+
+def __getattr__(name: str):
+    # The random releases build the model's modules (torch's attention, dynamo): imported on first use, not by every
+    # `import clef_flash.checkpoint` (the command line's parser).
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def open_checkpoint(source: str | os.PathLike[str], *, revision: str | None = None, verify: bool = False) -> Checkpoint:
@@ -31,4 +44,4 @@ def open_checkpoint(source: str | os.PathLike[str], *, revision: str | None = No
     return open_release(root, source=text)
 
 
-__all__ = ["Checkpoint", "ModelParts", "build_model", "open_checkpoint"]
+__all__ = ["RANDOM_CONFIGS", "Checkpoint", "ModelParts", "build_model", "open_checkpoint", "write_random_release"]

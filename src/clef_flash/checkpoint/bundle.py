@@ -35,7 +35,8 @@ import torch
 
 from ..console import ProgressBar
 from ..errors import BundleError, WeightsError
-from ..model.precision import INT8_SCHEME_VERSION, KEPT_HIGH_PRECISION, PRECISIONS, Plan, storage_dtype_of
+from ..model.precision import INT8_SCHEME_VERSION, KEPT_HIGH_PRECISION, storage_dtype_of
+from ..plan import shapes_plan
 from .loading import build_model
 from .names import DECODER_PREFIX, EMBEDDING, IGNORED_PREFIXES, LM_HEAD, VISION_PREFIX
 from .quant import SCHEME, QuantizingSource
@@ -201,7 +202,7 @@ def _check(checkpoint: Checkpoint) -> None:
     shapes = dataclasses.replace(
         checkpoint, tensors=ShapesOnly(checkpoint.tensors), head_tensors=ShapesOnly(checkpoint.head_tensors)
     )
-    build_model(shapes, Plan(PRECISIONS["int8-weight-only"], torch.device("meta")))
+    build_model(shapes, shapes_plan())
 
 
 # -- loading -----------------------------------------------------------------------------------------

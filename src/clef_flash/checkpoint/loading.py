@@ -27,7 +27,7 @@ from .w8a8 import INT_MM
 
 if TYPE_CHECKING:
     from ..model.config import TextConfig
-    from ..model.precision import Plan
+    from ..plan import Plan
     from .sources import Checkpoint
 
 

@@ -13,8 +13,8 @@ file for file, key for key and shape for shape:
     RANDOM_RELEASE.md                says the weights are random
 
 The tensor table (names, shapes, how each tensor is drawn) is not written here: `tensor_table` /
-`head_tensor_table` build the runtime's own modules (`Qwen35Decoder`, `JointHead`; the skipped vision
-tower and `mtp.*` as small mirrors) on the meta device from the config, walk their state_dict and draw
+`head_tensor_table` build the runtime's own modules (`Qwen35Decoder`, `JointHead`, `VisionTower`; `mtp.*`, which
+the runtime does not read, as a small mirror) on the meta device from the config, walk their state_dict and draw
 each tensor by init rules keyed by its leaf name; tests check the table against transformers and the
 reference head.
 Tensors are streamed to disk in chunks, so even the full 9B (~19 GB) is written in bounded memory.
@@ -37,7 +37,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -47,6 +47,7 @@ from ..model.config import QWEN3_5_27B, QWEN3_5_9B, TextConfig
 from ..model.joint_head import HeadConfig, JointHead
 from ..model.precision import BF16, FP16, FP32, FP64
 from ..model.qwen3_5 import DecoderLayer, GatedRMSNorm, Qwen35Decoder, RMSNorm
+from ..model.vision import VisionConfig, VisionTower
 from .names import DECODER_PREFIX, LM_HEAD, MTP_PREFIX, VISION_PREFIX
 from .safetensors_io import PlannedTensor, write_safetensors
 from .vocab import BUILDER_VERSION as VOCAB_BUILDER_VERSION
@@ -71,31 +72,27 @@ Progress = Callable[[int, int], None]  # (bytes written so far, total bytes)
 # Configs
 
 
-@dataclass(frozen=True)
-class VisionConfig:
-    """`vision_config`: a deliberately small tower (the runtime is text-only and ignores it)."""
+# A random release's vision tower: deliberately small (what the tests' images and videos need); 64 position
+# embeddings make a square 8 x 8 grid.
+SMALL_VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "num_position_embeddings": 64}
 
-    depth: int = 1
-    hidden_size: int = 32
-    intermediate_size: int = 64
-    num_heads: int = 2
-    num_position_embeddings: int = 64  # a square: 8 x 8 position grid
-    patch_size: int = 16
-    spatial_merge_size: int = 2
-    temporal_patch_size: int = 2
-    in_channels: int = 3
+
+def small_vision(text: TextConfig, **sizes: int) -> VisionConfig:
+    """The runtime's `VisionConfig` (model/vision.py) of a small tower (`SMALL_VISION`, with `sizes`) feeding `text`."""
+    return VisionConfig(**{**SMALL_VISION, **sizes}, out_hidden_size=text.hidden_size)
 
 
 @dataclass(frozen=True)
 class RandomConfig:
     """A random release: the decoder (`text_config`, the runtime's `TextConfig`), the joint head
-    (`joint_head_config.json`, the runtime's `HeadConfig`) and a small vision tower. `mtp_layers` is
+    (`joint_head_config.json`, the runtime's `HeadConfig`) and a vision tower (the runtime's `VisionConfig`; None:
+    `small_vision`). `mtp_layers` is
     config.json's `mtp_num_hidden_layers`, which the runtime's `TextConfig` does not read."""
 
     name: str
     text: TextConfig
     head: HeadConfig
-    vision: VisionConfig = field(default_factory=VisionConfig)
+    vision: VisionConfig | None = None
     mtp_layers: int = 1
     # Activation outliers as trained LLMs have them (LLM.int8(), SmoothQuant): `outlier_channels` hidden
     # channels scaled by `outlier_gain` through every layer's two (1+w) RMSNorm weights, so those channels
@@ -104,6 +101,10 @@ class RandomConfig:
     outlier_gain: float = 1.0
 
     def __post_init__(self) -> None:
+        if self.vision is None:
+            object.__setattr__(self, "vision", small_vision(self.text))  # frozen: filled once, here
+        if self.vision.out_hidden_size != self.text.hidden_size:
+            raise ValueError(f"random config {self.name!r}: the vision tower feeds {self.vision.out_hidden_size}, not the decoder's {self.text.hidden_size}")
         if self.head.hidden_size != self.text.hidden_size:
             raise ValueError(
                 f"random config {self.name!r}: the head's hidden_size {self.head.hidden_size} is not "
@@ -123,6 +124,12 @@ def _text(**sizes: int) -> TextConfig:
     return replace(QWEN3_5_9B, vocab_size=VOCAB_ROWS, layer_types=(), **sizes)
 
 
+_TINY_VISION_TEXT = _text(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+    linear_num_key_heads=2, linear_num_value_heads=4,
+    linear_key_head_dim=16, linear_value_head_dim=16,
+)
 #: The reference clef-flash head (`joint_head_config.json` of the real release).
 _REAL_HEAD = HeadConfig(hidden_size=4096, width=1024, routing_layers=2, layers=4, heads=16, feedforward=4096)
 #: Clef 27B's head: its hidden_size is the decoder's 5120; the rest is clef-flash's (Cloudflare's Clef 27B
@@ -145,14 +152,9 @@ RANDOM_CONFIGS: dict[str, RandomConfig] = {
     # (tiny's 2 frequencies leave the width axis out). The vision parity tests use it.
     "tiny-vision": RandomConfig(
         "tiny-vision",
-        _text(
-            hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-            linear_num_key_heads=2, linear_num_value_heads=4,
-            linear_key_head_dim=16, linear_value_head_dim=16,
-        ),
+        _TINY_VISION_TEXT,
         HeadConfig(hidden_size=64, width=32, routing_layers=2, layers=2, heads=4, feedforward=64),
-        vision=VisionConfig(depth=2, hidden_size=32, intermediate_size=64, num_heads=2),
+        vision=small_vision(_TINY_VISION_TEXT, depth=2),
     ),
     # The 9B per-head sizes (head_dim 256, 16/4 attention heads, 16/32 DeltaNet heads of 128) on a
     # narrow residual stream, 4 layers: exercises the real kernel shapes at a fraction of the cost.
@@ -234,12 +236,10 @@ def release_config(
         "transformers_version": TRANSFORMERS_LAYOUT_VERSION,
         "video_token_id": VIDEO_PAD_ID,
         "vision_config": {
-            **asdict(vision),
-            "hidden_act": "gelu_pytorch_tanh",
+            **{name: value for name, value in asdict(vision).items() if name != "rope_theta"},  # out_hidden_size: the decoder's
             "initializer_range": 0.02,
             "model_type": "qwen3_5_vision",
-            "out_hidden_size": text.hidden_size,  # the merger feeds the decoder
-            "rope_parameters": {"rope_theta": 10000.0, "rope_type": "axial"},
+            "rope_parameters": {"rope_theta": vision.rope_theta, "rope_type": "axial"},
         },
         "vision_end_token_id": VISION_END_ID,
         "vision_start_token_id": VISION_START_ID,
@@ -337,33 +337,6 @@ def _module_table(
     return specs
 
 
-class _VisionTower(nn.Module):
-    """The names and shapes of `Qwen3_5VisionModel` (the runtime is text-only and skips `model.visual.*`)."""
-
-    def __init__(self, vision: VisionConfig, out_hidden_size: int):
-        super().__init__()
-        h, kernel = vision.hidden_size, (vision.temporal_patch_size, vision.patch_size, vision.patch_size)
-        merged = h * vision.spatial_merge_size**2
-        self.patch_embed = nn.Module()
-        self.patch_embed.proj = nn.Conv3d(vision.in_channels, h, kernel, stride=kernel)
-        self.pos_embed = nn.Embedding(vision.num_position_embeddings, h)
-        self.blocks = nn.ModuleList(_VisionBlock(h, vision.intermediate_size) for _ in range(vision.depth))
-        self.merger = nn.Module()
-        self.merger.norm = nn.LayerNorm(h)
-        self.merger.linear_fc1 = nn.Linear(merged, merged)
-        self.merger.linear_fc2 = nn.Linear(merged, out_hidden_size)
-
-
-class _VisionBlock(nn.Module):
-    def __init__(self, h: int, intermediate: int):
-        super().__init__()
-        self.norm1, self.norm2 = nn.LayerNorm(h), nn.LayerNorm(h)
-        self.attn = nn.Module()
-        self.attn.qkv, self.attn.proj = nn.Linear(h, 3 * h), nn.Linear(h, h)
-        self.mlp = nn.Module()
-        self.mlp.linear_fc1, self.mlp.linear_fc2 = nn.Linear(h, intermediate), nn.Linear(intermediate, h)
-
-
 class _MultiTokenPrediction(nn.Module):
     """Qwen3.5's multi-token-prediction block under `mtp.` (as vLLM reads it; transformers ignores it)."""
 
@@ -388,7 +361,7 @@ def tensor_table(config: str | RandomConfig, *, mtp: bool = True) -> list[Tensor
     if config.outlier_channels:
         layer_norm = Init("norm_outliers", NORM_OFFSET.b, config.outlier_gain, config.outlier_channels)
     with torch.device("meta"):
-        vision = _VisionTower(config.vision, text.hidden_size)
+        vision = VisionTower(config.vision)
         decoder = Qwen35Decoder(text)
         lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
         multi_token = _MultiTokenPrediction(text, config.mtp_layers) if mtp else None

@@ -21,6 +21,7 @@ import datetime
 import functools
 import hashlib
 import json
+import math
 import os
 import time
 from collections.abc import Callable
@@ -29,6 +30,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ModelSourceError, WeightsError
+from ..model.precision import is_scale
+from .names import DECODER_PREFIX, LM_HEAD
 from .safetensors_io import SafetensorsFiles, TensorSource
 
 if TYPE_CHECKING:
@@ -89,6 +92,24 @@ class Checkpoint:
         from ..request.videos import VideoProcessorConfig
 
         return None if self.video_processor_config is None else VideoProcessorConfig.from_dict(self.video_processor_config)
+
+    def decoder_parameters(self) -> int | None:
+        """The decoder's parameters (the output embeddings aside: their rows are gathered, never held whole); None
+        without tensors (a Core ML export). What the default precision weighs against memory (plan.py)."""
+        if self.tensors is None:
+            return None
+        tensors = self.tensors
+        return sum(math.prod(tensors.shape(name)) for name in tensors.keys() if name != LM_HEAD and not is_scale(name))
+
+    def layer_parameters(self) -> list[int]:
+        """Each decoder layer's parameters, in layer order (what streaming holds one at a time; plan.py)."""
+        counts: dict[int, int] = {}
+        layers_prefix = DECODER_PREFIX + "layers."
+        for name in self.tensors.keys() if self.tensors is not None else ():
+            if name.startswith(layers_prefix) and not is_scale(name):
+                index = int(name[len(layers_prefix) :].split(".", 1)[0])
+                counts[index] = counts.get(index, 0) + math.prod(self.tensors.shape(name))
+        return [counts[index] for index in sorted(counts)]
 
     @property
     def fingerprint(self) -> str:

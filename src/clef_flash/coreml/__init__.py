@@ -6,3 +6,7 @@
     host.py      the host side: bucket, embedding gather, cos/sin, span matrices, masks, refusals
     runners.py   MLModelRunner (macOS) and TorchRunner (the traced twins, standing in for Core ML)
 """
+
+from ..checkpoint.coreml_layout import DEFAULT_BUCKETS, HEAD_OPTIONS, HEAD_QUESTIONS, RUNNERS
+
+__all__ = ["DEFAULT_BUCKETS", "HEAD_OPTIONS", "HEAD_QUESTIONS", "RUNNERS"]

@@ -20,8 +20,9 @@ from ..checkpoint.rotation import unrotate
 from ..model.config import TextConfig
 from ..model.export import ExportHead, ExportLinear, ExportPart
 from ..model.joint_head import HeadConfig, JointHead
-from ..model.precision import EXPORT_DTYPE, PRECISIONS, WEIGHT_ONLY
+from ..model.precision import EXPORT_DTYPE, WEIGHT_ONLY
 from ..model.qwen3_5 import DecoderLayer, RMSNorm
+from ..plan import export_plan
 
 CPU = torch.device("cpu")
 
@@ -39,14 +40,14 @@ def build_part(checkpoint: Checkpoint, config: TextConfig, layers: Sequence[int]
         norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if final_norm else None
     part = ExportPart(modules, norm)
     tensors = checkpoint.tensors
-    precision = PRECISIONS["int8-weight-only" if checkpoint.stored_int8 else "fp32"]
+    plan = export_plan(checkpoint.stored_int8)
     if checkpoint.stored_int8:
         replace_linears(part, WEIGHT_ONLY)
     fill_module(
         part,
         ((name, tensors.get(DECODER_PREFIX + name)) for name in part.state_dict()),
-        dtype_of=precision.dtype_of,
-        device=CPU,
+        dtype_of=plan.precision.dtype_of,
+        device=plan.device,
     )
     if checkpoint.stored_int8:
         _dense_linears(part)
@@ -69,7 +70,7 @@ def build_head(checkpoint: Checkpoint) -> ExportHead:
     fill_module(
         head,
         ((name, checkpoint.head_tensors.get(name)) for name in head.state_dict()),
-        dtype_of=PRECISIONS["fp32"].head_dtype_of,
+        dtype_of=export_plan(stored_int8=False).precision.head_dtype_of,
         device=CPU,
     )
     return ExportHead(head).eval()

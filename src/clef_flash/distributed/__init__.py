@@ -68,6 +68,7 @@ class EngineSpec:
     fingerprint: str | None = None  # config, then weights: what the driver opened
     weights_fingerprint: str | None = None
     plan_key: str | None = None  # the driver's whole plan (`Plan.key`: precision, W8A8 kernel, device): every engine's
+    verify: bool = False  # each worker checks the weights' hashes as `load(verify=True)` does
 
     @classmethod
     def resolve(cls, source: str, *, precision: str | None, device: str, revision: str | None = None, **options: Any) -> EngineSpec:
@@ -117,7 +118,7 @@ class EngineSpec:
         from ..model.precision import COREML_PRECISION
 
         precision = None if self.precision == COREML_PRECISION.name else self.precision  # an export runs as exported
-        model = load(self.source, device=self.device, precision=precision, revision=self.revision, **options)
+        model = load(self.source, device=self.device, precision=precision, revision=self.revision, verify=self.verify, **options)
         loaded = (model.checkpoint.fingerprint, model.checkpoint.weights_fingerprint)
         if self.fingerprint is not None and loaded != (self.fingerprint, self.weights_fingerprint):
             raise ClefError(

@@ -22,7 +22,9 @@ from typing import TYPE_CHECKING, Any
 from ray import serve
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..server.app import ServerSettings, build_batcher, create_app
+from ..server.app import create_app
+from ..server.batcher import build_batcher
+from ..server.settings import ServerSettings
 from ..server.batcher import Batcher, Job, QueueFull, WorkerUnavailable
 from ..server.metrics import ServerMetrics
 from ..engine import fitting

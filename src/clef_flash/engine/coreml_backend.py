@@ -7,7 +7,7 @@ every record whole, and /health says why.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..checkpoint import Checkpoint
 from ..checkpoint import coreml_layout as layout
@@ -15,23 +15,26 @@ from ..coreml.host import CoreMLHost, Runner
 from ..checkpoint.coreml_layout import RUNNERS
 from ..coreml.runners import make_runner
 from ..errors import ClefError, media_unsupported
-from ..plan import coreml_plan
 from ..request.records import EncodedRecord
 from ..state_cache import CachedState
 from .backend import QuestionResult, Timings
+
+if TYPE_CHECKING:
+    from ..plan import Plan
 
 
 class CoreMLBackend:
     state_reuse_unsupported = "the Core ML parts run a record whole from position 0: they take no decoder state"
 
-    def __init__(self, checkpoint: Checkpoint, *, runner: str | Runner = "coreml", verify: bool = False):
-        """`runner`: "coreml", "torch" (coreml/runners.py), or a runner object (benchmarks: the fp16 twins)."""
+    def __init__(self, checkpoint: Checkpoint, plan: Plan, *, runner: str | Runner = "coreml", verify: bool = False):
+        """`plan`: plan.py's `coreml_plan` for `runner`: "coreml", "torch" (coreml/runners.py), or a runner object
+        (benchmarks: the fp16 twins)."""
         if isinstance(runner, str) and runner not in RUNNERS:
             raise ClefError(f"unknown Core ML runner {runner!r}: use one of {', '.join(RUNNERS)}")
         export = layout.read_export(checkpoint.root, verify=verify)
         self.runner_name = runner if isinstance(runner, str) else type(runner).__name__
         self.host = CoreMLHost(export, make_runner(runner, export) if isinstance(runner, str) else runner)
-        self.plan = coreml_plan(self.runner_name)
+        self.plan = plan
 
     def check(self, record: EncodedRecord) -> None:
         """Refuses a record longer than the largest bucket, or with more questions or options than the head holds,

@@ -17,6 +17,7 @@ likewise, so that no few channels set a token's int8 scale.
 Always: the joint head in fp32 (it is small and decides the answer), the output-embedding rows it reads
 as stored (gathered, never converted whole), the kept projections (`KEPT_HIGH_PRECISION`) never int8, and
 the vision tower never int8 (under int8 it stays as released, in a bundle too). A new precision is one row in `PRECISIONS` (and, for a new int8 mode, a kernel in checkpoint/quant.py).
+What carries a precision through the runtime, with its W8A8 kernel, device and backend, is plan.py's `Plan`.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -55,9 +56,10 @@ COREML_PART_DTYPE = FP16
 COREML_HEAD_DTYPE = FP32
 COREML_TABLE_DTYPE = FP16
 # The op families (model/export.py, FAMILIES) the parts compute in fp32, everything else fp16: measured, each family
-# alone in fp16 and alone kept in fp32 (tests/test_coreml_precision.py), only the DeltaNet's gated RMSNorm
-# matters. It reads the delta rule's small outputs, and its overflow-safe form's eps / absmax^2 falls to fp16
-# subnormals there: all in fp16 the twins err 1.75e-1 (tiny) and 7.8e-2 (9b-heads), with it in fp32 1.5e-3.
+# alone in fp16 and alone kept in fp32 (tests/test_coreml.py, test_fp16_twin_error_per_part_and_op_family), only the
+# DeltaNet's gated RMSNorm matters. It reads the delta rule's small outputs, and its overflow-safe form's
+# eps / absmax^2 falls to fp16 subnormals there: all in fp16 the twins err 1.75e-1 (tiny) and 7.8e-2 (9b-heads),
+# with it in fp32 1.5e-3.
 COREML_FP32_FAMILIES = ("gated_norm",)
 
 
@@ -209,64 +211,6 @@ def parse_precision(text: str) -> Precision:
     if name not in PRECISIONS:
         raise ValueError(f"unknown precision {text!r}: use one of {', '.join(PRECISION_CHOICES)}")
     return PRECISIONS[name]
-
-
-TORCH, COREML = "torch", "coreml"
-BACKENDS = (TORCH, COREML)
-
-
-@dataclass(frozen=True)
-class Plan:
-    """How a model runs (resolved once by plan.py's `resolve`). `key` is the whole plan: what the state cache's identity includes."""
-
-    precision: Precision
-    device: torch.device
-    kernel: str | None = None  # the W8A8 kernel (checkpoint/w8a8.py); None unless W8A8 on a CPU
-    backend: str = TORCH
-    activation_bits: int | None = None  # W8A8's activations on its kernel: 8, or 7 (FBGEMM); None unless W8A8 on a CPU
-    # Streamed (the default when no precision fits memory whole): at most this many decoder layers hold weights at once,
-    # each filled from the memory-mapped files as it runs (`load(resident_layers=)`). None: all resident. Not in `key`:
-    # streaming changes where the weights wait, not what is computed.
-    resident_layers: int | None = None
-
-    @property
-    def name(self) -> str:
-        return self.precision.name
-
-    @property
-    def reason(self) -> str:
-        return self.precision.reason
-
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        return self.precision.compute_dtype
-
-    @property
-    def int8_mode(self) -> str | None:
-        return self.precision.int8_mode
-
-    @property
-    def key(self) -> str:
-        return "|".join(
-            map(str, (self.backend, self.name, self.compute_dtype, self.int8_mode, self.kernel, self.device))
-        )
-
-    def describe(self) -> dict[str, Any]:
-        """What `info`, `/health` and `Clef.plan` show."""
-        return {
-            "backend": self.backend,
-            "precision": self.name,
-            "compute_dtype": str(self.compute_dtype).removeprefix("torch."),
-            "int8_mode": self.int8_mode,
-            "kernel": self.kernel,
-            "activation_bits": self.activation_bits,
-            "device": str(self.device),
-            "resident_layers": self.resident_layers,
-            "reason": self.reason,
-        }
-
-    def with_reason(self, reason: str) -> Plan:
-        return dataclasses.replace(self, precision=self.precision.with_reason(reason))
 
 
 # -- the default: the fastest qualified path on this machine -------------------------------------------

@@ -30,13 +30,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import importlib.resources
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, NamedTuple
 
 from fastapi import FastAPI, Path, Request
@@ -51,83 +49,22 @@ from ..errors import InferenceError, QuestionSetError, RequestInvalid
 from ..request.protocol import decode_body, parse_request, parse_request_json, served_request
 from ..sets import SetStore
 from . import schemas
-from .batcher import Batcher, Job, QueueFull, WorkerUnavailable
+from .batcher import Batcher, Job, QueueFull, WorkerUnavailable, build_batcher
 from .body import ApiError, ClientGone, ParseBudget, body_too_large, check_content_type, read_body
 from .metrics import ServerMetrics
+from .settings import API_KEY_REQUIRED, ServerSettings, bearer_matches, served_names
 
 if TYPE_CHECKING:
     from ..clef import Clef
 
 log = logging.getLogger("clef_flash.server")
 
-MODEL_ALIASES = ("clef-flash", "@cf/cloudflare/clef-flash", "clef")
-"""Names a request's `model` may give for the served model (besides none at all)."""
 WORKERS_AI_MODEL = "@cf/cloudflare/clef-flash"
-DEFAULT_MAX_BODY_BYTES = 1 << 20
-# A body with images may be larger: the hosted 8 MiB of images as base64 (4/3) plus a text body.
-DEFAULT_MAX_IMAGE_BODY_BYTES = 12 << 20
-# A body with videos: 16 MiB of videos as base64 (21.3 MiB), the images' 10.7 MiB and a text body.
-DEFAULT_MAX_VIDEO_BODY_BYTES = 34 << 20
 REQUEST_ID_HEADERS = ("x-request-id", "x-typesafe-request-id")  # ours; the one typesafe-sdk reads
 WARM_UP_REQUEST = {
     "state": "warm-up",
     "questions": {"warm_up": {"type": "choice", "instructions": "warm-up", "criteria": {"a": None, "b": None}}},
 }
-
-
-@dataclass(frozen=True)
-class ServerSettings:
-    api_key: str | None = None  # when set, a matching `Authorization: Bearer` is required
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # on the wire and after decompression
-    max_image_body_bytes: int = DEFAULT_MAX_IMAGE_BODY_BYTES  # the same, for a body whose request has images
-    max_video_body_bytes: int = DEFAULT_MAX_VIDEO_BODY_BYTES  # the same, for a body whose request has videos
-    batch_tokens: int | None = None  # padded tokens per batch; None: the model's batch_tokens
-    batch_wait_ms: float = 5.0  # how long the oldest queued record waits for company
-    max_batch: int = 64  # records per batch
-    max_queue: int = 256  # queued records; one more gets 429
-    retry_after_s: int = 1
-    warm_up: bool = True
-    # Bodies being read, decompressed, parsed and tokenized at once (429 beyond): what bounds memory.
-    max_parsing_bytes: int = 2 * DEFAULT_MAX_VIDEO_BODY_BYTES  # at least twice the body limits (raw + decompressed)
-    max_parsing: int = 32  # requests
-    request_timeout_s: float = 300.0  # the longest a request waits for the model (then 503)
-    # Deadlines of the uvicorn transport (transport.py; not enforced under other ASGI servers):
-    header_timeout_s: float = 10.0  # from a request's first byte to the end of its headers
-    body_timeout_s: float = 30.0  # from the end of the headers to the end of the body
-    max_connections: int = 1024  # open connections; one more gets 503
-    shutdown_timeout_s: float = 30.0  # from SIGTERM: then what is left is answered 503 and the process exits
-    sets_dir: str | None = None  # where POST /v1/sets/{name} finds the saved sets; None: sets.default_sets_dir()
-
-    def __post_init__(self) -> None:
-        if self.max_image_body_bytes < self.max_body_bytes:
-            raise ValueError(f"max_image_body_bytes ({self.max_image_body_bytes}) must be at least max_body_bytes ({self.max_body_bytes})")
-        if self.max_video_body_bytes < self.max_image_body_bytes:
-            raise ValueError(
-                f"max_video_body_bytes ({self.max_video_body_bytes}) must be at least max_image_body_bytes ({self.max_image_body_bytes})"
-            )
-        if self.max_parsing_bytes < 2 * self.max_video_body_bytes:
-            raise ValueError(
-                f"max_parsing_bytes ({self.max_parsing_bytes}) must be at least twice max_video_body_bytes "
-                f"({self.max_video_body_bytes}): a compressed body is held with its decompressed copy"
-            )
-        if min(self.request_timeout_s, self.header_timeout_s, self.body_timeout_s, self.shutdown_timeout_s) <= 0:
-            raise ValueError("the timeouts must be positive")
-
-
-# -- what every front end (HTTP, MCP) checks the same way -----------------------------------------
-
-API_KEY_REQUIRED = "a valid API key is required: send 'Authorization: Bearer <key>'"
-
-
-def bearer_matches(authorization: str | None, api_key: str) -> bool:
-    """Whether an `Authorization` header carries `Bearer <api_key>` (compared in constant time)."""
-    scheme, _, token = (authorization or "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
-
-
-def served_names(model: Clef) -> tuple[str, ...]:
-    """The names a request's `model` may give (besides none): the model's own and its aliases."""
-    return tuple(dict.fromkeys((model.model_name, *MODEL_ALIASES)))
 
 
 # -- request ids and metrics (plain ASGI, so that disconnects reach the routes untouched) ----------
@@ -256,19 +193,6 @@ class Route(NamedTuple):
     response_class: type[Response] = JSONResponse
     in_schema: bool = True  # the bare Workers AI path is an alias: left out of the OpenAPI page
     openapi: dict[str, Any] | None = None  # request body and responses (schemas.py) of a raw-Request route
-
-
-def build_batcher(model: Clef, metrics: ServerMetrics, settings: ServerSettings, kind: type[Batcher] = Batcher) -> Batcher:
-    """The queue and model runner with the settings' limits: by default the in-process queue and worker
-    thread (Ray Serve passes its `@serve.batch` one: distributed/ray_serve.py)."""
-    return kind(
-        model,
-        metrics,
-        batch_tokens=settings.batch_tokens or model.batch_tokens,
-        max_batch=settings.max_batch,
-        batch_wait_s=settings.batch_wait_ms / 1000,
-        max_queue=settings.max_queue,
-    )
 
 
 class SystemOneServer:

@@ -30,6 +30,7 @@ from .metrics import ServerMetrics
 
 if TYPE_CHECKING:
     from ..clef import Clef
+    from .settings import ServerSettings
 
 log = logging.getLogger("clef_flash.server")
 
@@ -259,3 +260,16 @@ class Batcher:
             job.loop.call_soon_threadsafe(_resolve, job.future, result, error)
         except RuntimeError:  # the job's event loop has closed: nobody is waiting
             pass
+
+
+def build_batcher(model: Clef, metrics: ServerMetrics, settings: ServerSettings, kind: type[Batcher] = Batcher) -> Batcher:
+    """The queue and model runner with the settings' limits: by default the in-process queue and worker
+    thread (Ray Serve passes its `@serve.batch` one: distributed/ray_serve.py)."""
+    return kind(
+        model,
+        metrics,
+        batch_tokens=settings.batch_tokens or model.batch_tokens,
+        max_batch=settings.max_batch,
+        batch_wait_s=settings.batch_wait_ms / 1000,
+        max_queue=settings.max_queue,
+    )

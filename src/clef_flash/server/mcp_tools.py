@@ -37,10 +37,10 @@ from .. import __version__
 from ..errors import InferenceError, QuestionSetError, RequestInvalid
 from ..request.protocol import SystemOneRequest, SystemOneResponse, parse_request, served_request
 from ..sets import QuestionSet, SetStore
-from .app import API_KEY_REQUIRED, ServerSettings, bearer_matches, build_batcher, served_names
-from .batcher import QueueFull, WorkerUnavailable
+from .batcher import QueueFull, WorkerUnavailable, build_batcher
 from .metrics import ServerMetrics
 from .schemas import SetBody
+from .settings import API_KEY_REQUIRED, ServerSettings, bearer_matches, served_names
 
 if TYPE_CHECKING:
     from ..clef import Clef, Prepared
@@ -297,10 +297,3 @@ class BearerKey:
                 return
         await self.app(scope, receive, send)
 
-
-def uvicorn_server(app: ASGIApp, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> Any:
-    """A plain uvicorn server for the MCP app (its sessions hold streams open: shutdown waits 5 s at most)."""
-    import uvicorn
-
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on", timeout_graceful_shutdown=5)
-    return uvicorn.Server(config)

@@ -192,9 +192,12 @@ def raise_open_file_limit(wanted: int) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
 
 
-def uvicorn_server(app: Any, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", **options: Any) -> DeadlineServer:
-    """A `DeadlineServer` for an app from `create_app`, its limits read from the app's settings."""
-    system_one: Served = app.state.system_one
+def uvicorn_server(app: Any, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> uvicorn.Server:
+    """The uvicorn server of an app. One from `create_app` gets a `DeadlineServer`, its limits read from the app's
+    settings; any other (the MCP app, whose sessions hold streams open) a plain one whose shutdown waits 5 s at most."""
+    system_one: Served | None = getattr(getattr(app, "state", None), "system_one", None)
+    if system_one is None:
+        return uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on", timeout_graceful_shutdown=5))
     settings = system_one.settings
     raise_open_file_limit(settings.max_connections)
     config = uvicorn.Config(
@@ -206,6 +209,5 @@ def uvicorn_server(app: Any, *, host: str = "127.0.0.1", port: int = 8000, log_l
         http=protocol_class(settings.header_timeout_s, settings.body_timeout_s, settings.max_connections),
         timeout_graceful_shutdown=settings.shutdown_timeout_s,  # type: ignore[arg-type]
         lifespan="on",
-        **options,
     )
     return DeadlineServer(config, system_one)
