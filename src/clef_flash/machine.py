@@ -49,7 +49,7 @@ class Rates:
     fp32: float
     bf16: float
     int8: float  # W8A8 on its kernel as the projections run it (smoothing, rotation, quantization; with 7-bit
-    # activations, one digit at the MLP's inputs and two elsewhere, weighed by their FLOPs); 0.0: none is exact
+    # activations, one digit where a norm is read and two elsewhere, weighed by their FLOPs); 0.0: none is exact
     int8_kernel: str | None  # which one (checkpoint/w8a8.py): the fastest exact one with 8-bit activations that is no
     # reference loop, else the fastest exact one; None: no kernel is exact on this machine
     kernels: dict[str, float] = field(default_factory=dict)  # every exact kernel's G(OP)/s
@@ -121,7 +121,7 @@ def kernel_note(name: str, gops: float, fp32: float) -> str:
     if is_reference_loop(gops, fp32):
         return f"{gops:.2g} GOP/s, a reference loop here: used only when forced"
     bits = W8A8_KERNELS[name].activation_bits
-    return f"{gops:.0f} GOP/s" + ("" if bits == 8 else f", {bits}-bit activations (two digits outside the MLP's inputs)")
+    return f"{gops:.0f} GOP/s" + ("" if bits == 8 else f", {bits}-bit activations (two digits at down_proj, o_proj, out_proj)")
 
 
 def w8a8_choice(kernels: dict[str, float], fp32: float) -> str | None:

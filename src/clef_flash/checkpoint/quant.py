@@ -19,7 +19,7 @@ A class per way to compute, one line of forward each, built by `replace_linears`
 - `W8A8Linear`: the rotated input quantized per token and multiplied in int8 with int32 sums by the plan's kernel
   (checkpoint/w8a8.py); the weight packed for that kernel once, when it is filled (`pack_int8`), never in a forward.
 - `TwoDigitLinear`: as W8A8Linear, each activation in two int8 digits: on a kernel with 7-bit activations, every
-  projection but the MLP's inputs (`precision.w8a8_digits`).
+  projection that reads no norm: down_proj, o_proj, out_proj (`precision.w8a8_digits`).
 
 `QuantizingSource` wraps any tensor source (a release's safetensors) and presents the quantized names, so loading
 a release as int8 and converting it to a bundle are the same code path.

@@ -221,8 +221,8 @@ def parse_precision(text: str) -> Precision:
 # scheme (checkpoint/quant.py) qualifies without calibration in weight-only and in W8A8 with 8-bit activations: one
 # int8 product per projection, 1 byte a weight. With 7-bit integers on either side (FBGEMM, the only exact kernel of
 # AVX2-only CPUs) one product per projection did not (4 to 8 decisions differing where the reference's bf16 had 2,
-# median |dp| 2-3x); one 7-bit digit at the MLP's inputs and two elsewhere (`w8a8_digits`) did. A release quantizes
-# while loading.
+# median |dp| 2-3x); one 7-bit digit where a norm is read and two at down/o/out (`w8a8_digits`) did (4 flips where the
+# reference's bf16 had 5, median |dp| at most 1.34x its). A release quantizes while loading.
 QUALIFIED = ("fp32", "bf16", "int8-w8a8", "int8-weight-only")
 WEIGHT_ONLY_OVERHEAD = 1.15  # dequantizing tiles costs ~15% over the fp32 product it feeds (measured)
 ENVIRONMENT = "CLEF_FLASH_PRECISION"
