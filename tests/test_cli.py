@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from clef_flash.cli import build_parser, main, parse_question_spec
+from clef_flash.cli import build_parser, main
+from clef_flash.request.spec import parse_question_spec
 
 FLAGS = [
     "--state", "My card was charged twice, please refund.",
