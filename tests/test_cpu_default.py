@@ -33,7 +33,7 @@ GIB = 1 << 30
     [
         ("amx", "int8-w8a8", "int8-w8a8"),  # oneDNN's int8 (3000) over bf16 (1900)
         ("vnni", "int8-w8a8", "int8-w8a8"),
-        ("avx2", "int8-w8a8", "int8-w8a8"),  # FBGEMM: one 7-bit digit at the MLP's inputs, two elsewhere (183 > fp32's 123)
+        ("avx2", "int8-w8a8", "int8-w8a8"),  # FBGEMM: one 7-bit digit where a norm is read, two at down/o/out (183 > fp32's 123)
         ("none", "fp32", "int8-weight-only"),  # no exact W8A8 kernel
     ],
 )
@@ -103,7 +103,7 @@ def test_info_command(capsys):
 
 def test_info_says_which_kernels_the_default_passes_over():
     assert machine.kernel_note("onednn", 0.096, fp32=180) == "0.096 GOP/s, a reference loop here: used only when forced"
-    assert machine.kernel_note("fbgemm", 716.2, fp32=180) == "716 GOP/s, 7-bit activations (two digits outside the MLP's inputs)"
+    assert machine.kernel_note("fbgemm", 716.2, fp32=180) == "716 GOP/s, 7-bit activations (two digits at down_proj, o_proj, out_proj)"
     assert machine.kernel_note("int_mm", 632.4, fp32=180) == "632 GOP/s"
 
 
