@@ -10,6 +10,13 @@ from pathlib import Path
 
 import pytest
 
+# The multi-node Ray tests (a head and a worker node started with `ray start`) run in a pytest process of their own:
+# after tests/test_ray.py's local cluster in the same process, Ray Data's actors on the new cluster were cancelled
+# before they ran (2 of 3 failed; alone they pass). `CLEF_FLASH_RAY_NODES=1 python -m pytest -q tests/test_ray_nodes.py`
+# runs them; CI (.ci/run) does, after the suite.
+RAY_NODES = "CLEF_FLASH_RAY_NODES"
+collect_ignore = [] if os.environ.get(RAY_NODES) == "1" else ["test_ray_nodes.py"]
+
 # Tests never reach a hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
