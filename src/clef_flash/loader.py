@@ -17,7 +17,7 @@ from collections.abc import Mapping
 import torch
 
 from .checkpoint import Checkpoint, open_checkpoint
-from .checkpoint.adapters import adapter_name_of, adapter_options, read_adapters, side_by_side
+from .checkpoint.adapters import adapter_name_of, adapter_options, named_paths, read_adapters, side_by_side
 from .coreml.host import Runner
 from .clef import Clef, Encoder
 from .engine import DEFAULT_BATCH_TOKENS, KEEP_FROM_TOKENS, Engine
@@ -70,8 +70,7 @@ def resolve_plan(
 def describe_adapters(source: str | os.PathLike[str], values: list[str], *, revision: str | None = None) -> list[dict[str, Any]]:
     """The command line's `--adapter` values (`adapter_options`) read and checked against `source`'s config, without
     building the base: each adapter's name, rank, projections, bytes and path (what `info` lists)."""
-    options = adapter_options(values)
-    paths = {**({adapter_name_of(options["adapter"]): options["adapter"]} if "adapter" in options else {}), **options.get("adapters", {})}
+    paths = named_paths(adapter_options(values))
     return [item.describe() for item in read_adapters(open_checkpoint(source, revision=revision), paths).values()]
 
 

@@ -322,11 +322,17 @@ def adapter_options(values: list[str] | None) -> dict[str, Any]:
     return options
 
 
+def named_paths(options: dict[str, Any]) -> dict[str, str]:
+    """`adapter_options`' keywords as one name -> directory map: the default adapter under its directory's name."""
+    default = {adapter_name_of(options["adapter"]): options["adapter"]} if "adapter" in options else {}
+    return {**default, **options.get("adapters", {})}
+
+
 def side_by_side(values: list[str]) -> tuple[str, dict[str, str]]:
     """The one `--adapter` of a base-vs-tuned evaluation: (its name, `load`'s adapters=) — kept apart, so that
     the base answers too."""
     options = adapter_options(values)
-    chosen = {**({adapter_name_of(options["adapter"]): options["adapter"]} if "adapter" in options else {}), **options.get("adapters", {})}
+    chosen = named_paths(options)
     if len(chosen) != 1:
         raise ModelSourceError(f"base vs tuned compares one adapter with the base; {len(chosen)} were given")
     (name,) = chosen
