@@ -186,6 +186,24 @@ def test_convert_command(tiny_dir, tmp_path, capsys):
     assert "error:" in capsys.readouterr().err
 
 
+def test_a_random_source_converts_to_the_bundle_of_its_written_release(bundle_dir, tmp_path, capsys):
+    """`convert random:NAME` draws each tensor as it converts it (no release written: how a full-size random bundle
+    fits a disk its release does not): every file byte for byte the written release's bundle, the manifest but for
+    its source's path."""
+    assert main(["convert", "random:tiny", str(tmp_path / "r")]) == 0
+    drawn = tmp_path / "r"
+    assert sorted(path.name for path in drawn.iterdir()) == sorted(path.name for path in bundle_dir.iterdir())
+    for path in drawn.iterdir():
+        if path.name != MANIFEST:
+            assert path.read_bytes() == (bundle_dir / path.name).read_bytes(), path.name
+    manifests = [json.loads((folder / MANIFEST).read_text()) for folder in (drawn, bundle_dir)]
+    assert manifests[0]["source"].pop("path") == "random:tiny"
+    manifests[1]["source"].pop("path")
+    assert manifests[0] == manifests[1]
+    assert main(["convert", "random:nope", str(tmp_path / "n")]) == 2
+    assert "unknown random config 'nope'" in capsys.readouterr().err
+
+
 AGREEMENT_REQUESTS = 12
 
 

@@ -200,7 +200,7 @@ COMMANDS = (
         arg("--json", action="store_true", help="print the figures as one JSON object"),
     )),
     Command("convert", "convert a release into an 8-bit bundle (memory-mapped, loads in seconds)", command_convert, (
-        arg("source", help="release directory, Hugging Face repo id, or tiny"),
+        arg("source", help="release directory, Hugging Face repo id, tiny, or random:NAME[:SEED] (drawn as converted)"),
         arg("destination", help="the bundle directory to write"),
         arg("--precision", default="int8", choices=["int8"], help="weights' precision (int8)"),
         arg("--revision", help="hub revision for a repo id"),

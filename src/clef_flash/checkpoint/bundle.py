@@ -56,8 +56,10 @@ from .sources import (
     HEAD_WEIGHTS,
     PROCESSOR_CONFIG,
     VIDEO_PROCESSOR_CONFIG,
+    RANDOM_PREFIX,
     Checkpoint,
     config_fingerprint,
+    open_random,
     open_release,
     processor_configs,
     read_json,
@@ -109,8 +111,9 @@ def convert(
         raise BundleError(f"unknown bundle precision {precision!r}: only int8 bundles exist")
     root = check_conversion(source, destination, revision=revision, overwrite=overwrite)
     destination = Path(destination)
-    # Read once, in order (no memory map); its projections as the int8 bundle will store them.
-    release = open_release(root, source=str(source), files=StreamedSafetensors)
+    # Read once, in order (no memory map), or drawn one tensor at a time (random:NAME: no release written first);
+    # its projections as the int8 bundle will store them.
+    release = open_random(str(source)) if root is None else open_release(root, source=str(source), files=StreamedSafetensors)
     checkpoint = dataclasses.replace(release, tensors=QuantizingSource(release.tensors), stored_int8=True)
     # Check every name and shape against the model before writing anything (meta tensors: no data read).
     _check(checkpoint)
@@ -142,9 +145,10 @@ def convert(
                     on_bytes=meter.advance,
                 )
                 files[file] = {"bytes": (staging / file).stat().st_size, "sha256": digest}
-        copied = [*COPIED_FILES, *(name for name in COPIED_IF_PRESENT if with_vision and (root / name).is_file())]
+        present = {PROCESSOR_CONFIG: release.processor_config, VIDEO_PROCESSOR_CONFIG: release.video_processor_config}
+        copied = [*COPIED_FILES, *(name for name in COPIED_IF_PRESENT if with_vision and present[name] is not None)]
         for name in copied:
-            shutil.copyfile(root / name, staging / name)
+            _copy_release_file(release, name, staging / name)
             files[name] = {"bytes": (staging / name).stat().st_size, "sha256": sha256_of(staging / name)}
         manifest = {
             "format": FORMAT,
@@ -181,15 +185,36 @@ def convert(
 
 def check_conversion(
     source: str | os.PathLike[str], destination: str | os.PathLike[str], *, revision: str | None = None, overwrite: bool = False
-) -> Path:
-    """The release directory `source` names, once it is known not to be a bundle and `destination` to be free
-    (or `overwrite`): checked before any work (calibration) is done."""
+) -> Path | None:
+    """The release directory `source` names (None: `random:NAME[:SEED]`, drawn as it is converted), once it is known
+    not to be a bundle and `destination` to be free (or `overwrite`): checked before any work is done."""
+    if Path(destination).exists() and not overwrite:
+        raise BundleError(f"{destination} exists: remove it or pass --overwrite")
+    if os.fspath(source).startswith(RANDOM_PREFIX):
+        return None
     root = resolve_source(source, revision=revision)
     if is_bundle(root):
         raise BundleError(f"{root} is already a bundle: convert the release it came from")
-    if Path(destination).exists() and not overwrite:
-        raise BundleError(f"{destination} exists: remove it or pass --overwrite")
     return root
+
+
+def _copy_release_file(release: Checkpoint, name: str, target: Path) -> None:
+    """A release's small file into the bundle: copied, or for `random:NAME` written as `write_random_release` writes
+    it (the bundle of `random:NAME` is byte for byte the bundle of its written release)."""
+    if release.root is not None:
+        shutil.copyfile(release.root / name, target)
+    elif name == "tokenizer.json":
+        shutil.copyfile(release.tokenizer_file, target)
+    else:
+        from .random_release import write_release_json
+
+        written = {
+            "config.json": release.config,
+            HEAD_CONFIG: release.head_config,
+            PROCESSOR_CONFIG: release.processor_config,
+            VIDEO_PROCESSOR_CONFIG: release.video_processor_config,
+        }
+        write_release_json(target, written[name])
 
 
 def _part_dtypes(plans: dict[str, list[PlannedTensor]]) -> dict[str, torch.dtype]:

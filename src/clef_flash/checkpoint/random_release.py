@@ -569,16 +569,16 @@ def write_random_release(
             },
             "weight_map": {spec.name: filename for filename, shard in shards.items() for spec in shard},
         }
-        _write_json(out / "model.safetensors.index.json", index)
+        write_release_json(out / "model.safetensors.index.json", index)
     # The reference exporter (clef-finetune) saves the head without safetensors metadata.
     _write_safetensors(
         out / "joint_head.safetensors", head_specs, seed=seed, dtype=head_dtype, metadata=None, on_bytes=on_bytes
     )
-    _write_json(out / "joint_head_config.json", config.head_config())
-    _write_json(out / "config.json", release_config(config, seed=seed, dtype=dtype, mtp=mtp))
+    write_release_json(out / "joint_head_config.json", config.head_config())
+    write_release_json(out / "config.json", release_config(config, seed=seed, dtype=dtype, mtp=mtp))
     write_tokenizer_files(out)
     for name, processor in processor_configs().items():
-        _write_json(out / name, processor)
+        write_release_json(out / name, processor)
     (out / "RANDOM_RELEASE.md").write_text(
         RANDOM_RELEASE_NOTE.format(version=RELEASE_BUILDER_VERSION, name=config.name, seed=seed)
     )
@@ -609,8 +609,9 @@ def processor_configs() -> dict[str, dict]:
     return {"preprocessor_config.json": image, "video_preprocessor_config.json": video}
 
 
-def _write_json(path: Path, value: object) -> None:
-    # As transformers writes config.json and the shard index.
+def write_release_json(path: Path, value: object) -> None:
+    """A release's JSON file, as transformers writes config.json and the shard index (a bundle converted from
+    `random:NAME` copies its configs with this too: byte for byte those of the written release)."""
     path.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n")
 
 
@@ -620,7 +621,7 @@ def _add_processor_configs(path: Path) -> None:
     for name, processor in processor_configs().items():
         if not (path / name).is_file():
             staging = path / f".{name}.{os.getpid()}"
-            _write_json(staging, processor)
+            write_release_json(staging, processor)
             os.replace(staging, path / name)
 
 
