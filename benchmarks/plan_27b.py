@@ -9,6 +9,7 @@ would be drawn only when read; `plan.resolve` needs their shapes and this machin
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import torch
@@ -28,8 +29,9 @@ def main() -> None:
     layers = checkpoint.layer_parameters()
     print(json.dumps({
         "config": args.config,
-        "decoder_parameters": checkpoint.decoder_parameters(),
-        "bf16_gb": round(2 * checkpoint.decoder_parameters() / 1e9, 1),
+        "weights": dataclasses.asdict(checkpoint.weight_counts()),
+        "bf16_gib": round(checkpoint.weight_counts().bytes_in("bf16") / 2**30, 1),
+        "int8_gib": round(checkpoint.weight_counts().bytes_in("int8-w8a8") / 2**30, 1),
         "layers": len(layers),
         "largest_layer_parameters": max(layers),
         "memory_gib": args.memory_gib,

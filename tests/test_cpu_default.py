@@ -15,13 +15,13 @@ from clef_flash.checkpoint.quant import Int8Linear, TwoDigitLinear, W8A8Linear, 
 from clef_flash.checkpoint.random_release import write_random_release
 from clef_flash.checkpoint.w8a8 import W8A8_KERNELS, exactness_error, quantize_per_token
 from clef_flash.cli import main
-from clef_flash.model.precision import PRECISION_CHOICES, QUALIFIED, choose_precision, qualified, resolve_precision
+from clef_flash.model.precision import PRECISION_CHOICES, QUALIFIED, WeightCounts, choose_precision, qualified, resolve_precision
 from clef_flash.request.samples import random_requests
 from cpu_families import FAMILIES, imagine
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 CPU = torch.device("cpu")
-NINE_B = 8_950_000_000  # the 9B decoder's parameters, output embeddings aside
+NINE_B = WeightCounts(projections=8_950_000_000)  # about the 9B decoder's parameters, all counted as projections
 GIB = 1 << 30
 
 
@@ -252,7 +252,7 @@ def test_w8a8_stays_close_on_the_outlier_release_without_calibration(outlier_rel
 )
 def test_a_release_default_always_fits_the_memory(family, memory_gib, expected, left_out):
     rates = FAMILIES[family]
-    chosen = choose_precision(CPU, stored_int8=False, rates=lambda: rates, parameters=NINE_B, memory_bytes=memory_gib * GIB)
+    chosen = choose_precision(CPU, stored_int8=False, rates=lambda: rates, weights=NINE_B, memory_bytes=memory_gib * GIB)
     print(f"{family}, {memory_gib} GiB: {chosen.name} ({chosen.reason})")
     assert chosen.name == expected
     for item in left_out:
@@ -263,13 +263,13 @@ def test_a_release_default_always_fits_the_memory(family, memory_gib, expected, 
 def test_nothing_fitting_is_one_line_with_the_sizes():
     rates = FAMILIES["vnni"]
     with pytest.raises(ValueError, match=r"no qualified precision fits .*int8-w8a8 8\.3 GiB, int8-weight-only 8\.3 GiB of weights, 3\.2 GiB usable"):
-        choose_precision(CPU, stored_int8=False, rates=lambda: rates, parameters=NINE_B, memory_bytes=4 * GIB)
+        choose_precision(CPU, stored_int8=False, rates=lambda: rates, weights=NINE_B, memory_bytes=4 * GIB)
 
 
 def test_load_quantizes_a_release_that_does_not_fit_dense(tiny_dir, monkeypatch):
     monkeypatch.delenv("CLEF_FLASH_PRECISION", raising=False)
-    parameters = clef_flash.checkpoint.open_checkpoint(tiny_dir).decoder_parameters()
-    room = int(parameters * 1.5 / 0.8)  # int8 fits, no dense copy does
+    weights = clef_flash.checkpoint.open_checkpoint(tiny_dir).weight_counts()
+    room = int((weights.bytes_in("int8-weight-only") + weights.bytes_in("bf16")) / 2 / 0.8)  # int8 fits, no dense copy does
     imagine(monkeypatch, "none")
     monkeypatch.setattr(clef_flash.loader, "available_memory_bytes", lambda: room)
     model = clef_flash.load(tiny_dir, device="cpu")

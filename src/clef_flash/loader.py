@@ -42,9 +42,17 @@ def pick_device(device: str | torch.device) -> torch.device:
     return resolved
 
 
-def plan_of(checkpoint: Checkpoint, *, device: str | torch.device = "auto", precision: str | None = None, coreml_runner: Runner | str | None = None) -> Plan:
+def plan_of(
+    checkpoint: Checkpoint,
+    *,
+    device: str | torch.device = "auto",
+    precision: str | None = None,
+    coreml_runner: Runner | str | None = None,
+    fit_memory: bool = False,
+) -> Plan:
     """The plan `load` runs `checkpoint` in, decided without building anything (batch's progress file,
-    Ray's engine spec): a Core ML export runs as exported; anything else is resolved on this machine."""
+    Ray's engine spec): a Core ML export runs as exported; anything else is resolved on this machine
+    (`fit_memory`: `precision` streamed if it does not fit this machine's memory whole, `plan.resolve`)."""
     if checkpoint.kind == "coreml":
         if precision is not None:
             raise ClefError(f"{checkpoint.where} is a Core ML export: it runs as exported (8-bit weights, fp16); leave precision unset")
@@ -52,7 +60,9 @@ def plan_of(checkpoint: Checkpoint, *, device: str | torch.device = "auto", prec
         return coreml_plan(runner if isinstance(runner, str) else type(runner).__name__)
     if coreml_runner is not None:
         raise ClefError(f"{checkpoint.where} is not a Core ML export: --coreml-runner applies to exports only")
-    return resolve(checkpoint, pick_device(device), precision, rates=machine_rates, available_memory=available_memory_bytes)
+    return resolve(
+        checkpoint, pick_device(device), precision, rates=machine_rates, available_memory=available_memory_bytes, fit_memory=fit_memory
+    )
 
 
 def resolve_plan(
@@ -62,9 +72,12 @@ def resolve_plan(
     precision: str | None = None,
     revision: str | None = None,
     coreml_runner: str | Runner | None = None,
+    fit_memory: bool = False,
 ) -> Plan:
-    """The plan `load(source, ...)` would run in on this machine, without loading any weights."""
-    return plan_of(open_checkpoint(source, revision=revision), device=device, precision=precision, coreml_runner=coreml_runner)
+    """The plan `load(source, ...)` would run in on this machine, without loading any weights (`fit_memory`: as
+    `plan_of`)."""
+    checkpoint = open_checkpoint(source, revision=revision)
+    return plan_of(checkpoint, device=device, precision=precision, coreml_runner=coreml_runner, fit_memory=fit_memory)
 
 
 def describe_adapters(source: str | os.PathLike[str], values: list[str], *, revision: str | None = None) -> list[dict[str, Any]]:

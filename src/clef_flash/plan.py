@@ -28,6 +28,8 @@ import torch
 from .errors import ClefError
 from .model.precision import (
     BYTES_PER_PARAMETER,
+    TooBig,
+    WeightCounts,
     COREML_PRECISION,
     MEMORY_SHARE,
     PRECISION_CHOICES,
@@ -106,34 +108,34 @@ class Resolvable(Protocol):
     stored_int8: bool
     where: str
 
-    def decoder_parameters(self) -> int | None: ...
+    def weight_counts(self) -> WeightCounts | None: ...
 
     def layer_parameters(self) -> list[int]: ...
 
 
-TOO_BIG = "no qualified precision fits this machine's memory"  # choose_precision's words when nothing fits whole
-
-
-def streamed(checkpoint: Resolvable, measured: Rates, memory_bytes: int, too_big: str) -> tuple[Precision, int]:
-    """When no precision fits memory whole: the faster qualified 8-bit path, with as many decoder layers resident as
-    fit in MEMORY_SHARE of `memory_bytes` beside the rest of the model (counted as `choose_precision` counts it), the
-    others read from the memory-mapped files as they run. Not even one layer fitting is `too_big`, raised as it was."""
+def streamed(checkpoint: Resolvable, measured: Rates, memory_bytes: int, too_big: TooBig, name: str | None = None) -> tuple[Precision, int]:
+    """When `name` (None: no qualified precision) does not fit memory whole: `name`, else the faster qualified 8-bit
+    path, with as many decoder layers resident as fit in MEMORY_SHARE of `memory_bytes` beside the rest of the model
+    (counted as `choose_precision` counts it: `WeightCounts.bytes_in`), the others read from the memory-mapped files
+    as they run. Not even one layer fitting is `too_big`, raised as it was."""
     layers = checkpoint.layer_parameters()
-    if not layers:
-        raise ValueError(too_big)
-    names = [name for name in ("int8-w8a8", "int8-weight-only") if name != "int8-w8a8" or measured.int8_kernel is not None]
-    name = max(names, key=lambda name: measured.int8 if name == "int8-w8a8" else weight_only_rate(measured))
-    rest = (checkpoint.decoder_parameters() or 0) - sum(layers)
-    room = MEMORY_SHARE * memory_bytes - rest * BYTES_PER_PARAMETER[name]
-    resident = min(len(layers) - 1, int(room // (max(layers) * BYTES_PER_PARAMETER[name])))
+    weights = checkpoint.weight_counts()
+    if not layers or weights is None:
+        raise too_big
+    if name is None:
+        names = [name for name in ("int8-w8a8", "int8-weight-only") if name != "int8-w8a8" or measured.int8_kernel is not None]
+        name = max(names, key=lambda name: measured.int8 if name == "int8-w8a8" else weight_only_rate(measured))
+    whole = weights.bytes_in(name)
+    layer_bytes = max(layers) * BYTES_PER_PARAMETER[name]  # projections: all but a few thousand of a layer's weights
+    room = MEMORY_SHARE * memory_bytes - (whole - sum(layers) * BYTES_PER_PARAMETER[name])
+    resident = min(len(layers) - 1, int(room // layer_bytes))
     if resident < 1:
-        raise ValueError(too_big)
-    whole = (sum(layers) + rest) * BYTES_PER_PARAMETER[name]
+        raise too_big
     reason = (
-        f"streamed: {too_big.split(':', 1)[0]} ({whole / 2**30:.1f} GiB in {name}); {name}, {resident} of {len(layers)} "
-        f"decoder layers resident at once ({MEMORY_SHARE:.0%} of {memory_bytes / 2**30:.1f} GiB available), the others "
-        "read from the memory-mapped files as they run (slower: every record reads them); a machine with more memory "
-        "holds them all"
+        f"streamed: {str(too_big).split(':', 1)[0]} ({whole / 2**30:.1f} GiB in {name}); {name}, {resident} of "
+        f"{len(layers)} decoder layers resident at once ({MEMORY_SHARE:.0%} of {memory_bytes / 2**30:.1f} GiB "
+        "available), the others read from the memory-mapped files as they run (slower: every record reads them); a "
+        "machine with more memory holds them all"
     )
     return PRECISIONS[name].with_reason(reason), resident
 
@@ -145,29 +147,32 @@ def resolve(
     *,
     rates: Callable[[], Rates],
     available_memory: Callable[[], int | None],
+    fit_memory: bool = False,
 ) -> Plan:
     """The plan `checkpoint` runs in on `device`: `requested`, else $CLEF_FLASH_PRECISION, else the fastest qualified
     path on this machine (`rates`: the machine's probe; `available_memory`: its free bytes, weighed only then); when
-    none fits that memory whole, 8-bit with streamed layers (`Plan.resident_layers`)."""
-    choosing = requested is None and device.type == "cpu"  # only the default weighs sizes against memory
-    memory = available_memory() if choosing else None
+    none fits that memory whole, 8-bit with streamed layers (`Plan.resident_layers`). `fit_memory`: `requested` was
+    chosen elsewhere (a Ray driver's default): weighed against this machine's memory too, streamed if it does not fit
+    whole (streaming is not in `Plan.key`: the answers are the same)."""
+    weighing = (requested is None or fit_memory) and device.type == "cpu"  # the default weighs sizes against memory
+    memory = available_memory() if weighing else None
+    weights = checkpoint.weight_counts() if memory else None
     resident = None
     try:
-        precision = resolve_precision(
-            requested,
-            device,
-            stored_int8=checkpoint.stored_int8,
-            rates=rates,
-            parameters=checkpoint.decoder_parameters() if choosing else None,
-            memory_bytes=memory,
-        )
-    except ValueError as exc:
         try:
-            if not (choosing and memory and str(exc).startswith(TOO_BIG)):
+            precision = resolve_precision(
+                requested, device, stored_int8=checkpoint.stored_int8, rates=rates, weights=weights, memory_bytes=memory
+            )
+            whole = weights.bytes_in(precision.name) if weights and requested is not None else 0
+            if memory and whole > MEMORY_SHARE * memory:  # given (fit_memory): streamed in it, if one layer at a time fits
+                too_big = TooBig(f"{precision.name} does not fit this machine's memory whole: {whole / 2**30:.1f} GiB")
+                precision, resident = streamed(checkpoint, rates(), memory, too_big, precision.name)
+        except TooBig as exc:
+            if weights is None:
                 raise
-            precision, resident = streamed(checkpoint, rates(), memory, str(exc))
-        except ValueError as exc:
-            raise ClefError(f"{checkpoint.where} {exc}" if checkpoint.stored_int8 else str(exc)) from None
+            precision, resident = streamed(checkpoint, rates(), memory, exc)
+    except ValueError as exc:
+        raise ClefError(f"{checkpoint.where} {exc}" if checkpoint.stored_int8 else str(exc)) from None
     if precision.int8_mode != W8A8 or device.type != "cpu":
         return Plan(precision, device, resident_layers=resident)
     measured = rates()

@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ModelSourceError, WeightsError
-from ..model.precision import is_scale
-from .names import DECODER_PREFIX, LM_HEAD
+from ..model.precision import WeightCounts, is_quantized, is_scale
+from .names import DECODER_PREFIX, EMBEDDING, LM_HEAD, MTP_PREFIX, VISION_PREFIX
 from .safetensors_io import SafetensorsFiles, TensorSource
 
 if TYPE_CHECKING:
@@ -93,13 +93,27 @@ class Checkpoint:
 
         return None if self.video_processor_config is None else VideoProcessorConfig.from_dict(self.video_processor_config)
 
-    def decoder_parameters(self) -> int | None:
-        """The decoder's parameters (the output embeddings aside: their rows are gathered, never held whole); None
-        without tensors (a Core ML export). What the default precision weighs against memory (plan.py)."""
+    def weight_counts(self) -> WeightCounts | None:
+        """The model's parameters by how a precision holds them (model/precision.py `WeightCounts`; the output
+        embeddings aside: their rows are gathered, never held whole, and the MTP layers, never loaded); None without
+        tensors (a Core ML export). What the default precision weighs against memory (plan.py)."""
         if self.tensors is None:
             return None
-        tensors = self.tensors
-        return sum(math.prod(tensors.shape(name)) for name in tensors.keys() if name != LM_HEAD and not is_scale(name))
+        counts = dict.fromkeys(("projections", "embeddings", "vision", "head", "other"), 0)
+        with_vision = self.processor_config is not None and "vision_config" in self.config
+        for name in self.tensors.keys():
+            shape = self.tensors.shape(name)
+            if name == LM_HEAD or is_scale(name) or name.startswith(MTP_PREFIX) or (name.startswith(VISION_PREFIX) and not with_vision):
+                continue
+            if name.startswith(VISION_PREFIX):
+                part = "vision"
+            elif name == DECODER_PREFIX + EMBEDDING:
+                part = "embeddings"
+            else:
+                part = "projections" if is_quantized(name, shape) else "other"
+            counts[part] += math.prod(shape)
+        counts["head"] = sum(math.prod(self.head_tensors.shape(name)) for name in self.head_tensors.keys())
+        return WeightCounts(**counts)
 
     def layer_parameters(self) -> list[int]:
         """Each decoder layer's parameters, in layer order (what streaming holds one at a time; plan.py)."""
@@ -183,6 +197,7 @@ def open_export(root: Path, *, source: str | None = None) -> Checkpoint:
 def open_random(source: str) -> Checkpoint:
     """`random:NAME[:SEED]`: a random release drawn in memory, tensor by tensor, as it is loaded."""
     from .random_release import RandomTensors, release_config, resolve_config
+    from .random_release import processor_configs as random_processor_configs
     from .vocab import cached_tokenizer_json
 
     name, _, seed_text = source.removeprefix(RANDOM_PREFIX).partition(":")
@@ -201,6 +216,9 @@ def open_random(source: str) -> Checkpoint:
         tensors=RandomTensors.of_model(config, seed=seed),
         head_tensors=RandomTensors.of_head(config, seed=seed),
         decoder_files="random tensors",
+        # As `write_random_release` writes them: a config with a vision tower reads images and videos.
+        processor_config=random_processor_configs()[PROCESSOR_CONFIG],
+        video_processor_config=random_processor_configs()[VIDEO_PROCESSOR_CONFIG],
     )
 
 

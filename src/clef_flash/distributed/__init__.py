@@ -115,10 +115,17 @@ class EngineSpec:
             )
             if value is not None
         }
+        from ..loader import resolve_plan
         from ..model.precision import COREML_PRECISION
 
         precision = None if self.precision == COREML_PRECISION.name else self.precision  # an export runs as exported
-        model = load(self.source, device=self.device, precision=precision, revision=self.revision, verify=self.verify, **options)
+        # The driver's precision, streamed here when this node's memory does not hold it whole (not part of the plan's
+        # key: the answers are the same), unless the spec fixes resident_layers.
+        plan = resolve_plan(
+            self.source, device=self.device, precision=precision, revision=self.revision,
+            coreml_runner=self.coreml_runner, fit_memory=self.resident_layers is None,
+        )
+        model = load(self.source, plan=plan, revision=self.revision, verify=self.verify, **options)
         loaded = (model.checkpoint.fingerprint, model.checkpoint.weights_fingerprint)
         if self.fingerprint is not None and loaded != (self.fingerprint, self.weights_fingerprint):
             raise ClefError(

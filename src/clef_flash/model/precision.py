@@ -239,10 +239,44 @@ class Rates(Protocol):
     excluded: dict[str, str]
 
 
-# Bytes a decoder parameter takes in memory, by precision (int8: the weight and its scales). What the default
-# checks against the machine's memory.
+# Bytes a decoder projection's parameter takes in memory, by precision (int8: the weight and its scales). What the
+# default checks against the machine's memory, with `WeightCounts` for the rest of the model.
 BYTES_PER_PARAMETER = {"fp64": 8.0, "fp32": 4.0, "bf16": 2.0, "int8-weight-only": 1.0, "int8-w8a8": 1.0}
 MEMORY_SHARE = 0.8  # of the memory available when loading, what the model's weights may take
+RELEASED_BYTES = 2  # a release's 16-bit tensors: the vision tower stays so under int8
+
+
+@dataclass(frozen=True)
+class WeightCounts:
+    """A checkpoint's parameters by how a precision holds them in memory (`bytes_in`): what the default weighs
+    against the machine's memory. The output embeddings are not counted: only their option rows are ever read."""
+
+    projections: int = 0  # the decoder's 2-D projections (`is_quantized`): a byte under int8, else the compute dtype's
+    embeddings: int = 0  # the input embeddings: gathered by row from the memory map under int8, else held whole
+    vision: int = 0  # the vision tower (when it is loaded): as released under int8, else the compute dtype's
+    head: int = 0  # the joint head: always fp32
+    other: int = 0  # norms, convolutions, the kept gate projections, A_log: the compute dtype's
+
+    @property
+    def total(self) -> int:
+        return self.projections + self.embeddings + self.vision + self.head + self.other
+
+    def bytes_in(self, name: str) -> float:
+        """The bytes these weights take in memory in precision `name` on a CPU (int8 computes in fp32 there)."""
+        precision = PRECISIONS[name]
+        compute = precision.compute_dtype.itemsize
+        held = {
+            "projections": BYTES_PER_PARAMETER[name],
+            "embeddings": 0 if precision.quantized else compute,
+            "vision": RELEASED_BYTES if precision.quantized else compute,
+            "head": HEAD_DTYPE.itemsize,
+            "other": compute,
+        }
+        return sum(getattr(self, part) * size for part, size in held.items())
+
+
+class TooBig(ValueError):
+    """No qualified precision fits the machine's memory whole (the message has the sizes): where plan.py streams."""
 
 
 def weight_only_rate(measured: Rates) -> float:
@@ -267,12 +301,12 @@ def choose_precision(
     *,
     stored_int8: bool,
     rates: Callable[[], Rates],
-    parameters: int | None = None,
+    weights: WeightCounts | None = None,
     memory_bytes: int | None = None,
 ) -> Precision:
     """The fastest qualified precision that fits: on CUDA bf16 (or an 8-bit bundle's weight-only); on a CPU
-    by the probe, among those whose weights (`parameters` x BYTES_PER_PARAMETER) fit in MEMORY_SHARE of
-    `memory_bytes` (None: no bound). Nothing fitting is a one-line error with the sizes."""
+    by the probe, among those whose `weights` (held as `WeightCounts.bytes_in` says) fit in MEMORY_SHARE of
+    `memory_bytes` (None: no bound). Nothing fitting is `TooBig`, one line with the sizes."""
     candidates = qualified(stored_int8=stored_int8)
     if device.type != "cpu":
         name = "bf16" if not stored_int8 else "int8-weight-only"
@@ -281,12 +315,12 @@ def choose_precision(
     if measured.int8_kernel is None or measured.int8 <= 0:
         candidates = tuple(name for name in candidates if name != "int8-w8a8")
     rate = {"fp32": measured.fp32, "bf16": measured.bf16, "int8-w8a8": measured.int8, "int8-weight-only": weight_only_rate(measured)}
-    needs = {name: (parameters or 0) * BYTES_PER_PARAMETER[name] for name in candidates}
-    room = None if memory_bytes is None or not parameters else MEMORY_SHARE * memory_bytes
+    needs = {name: weights.bytes_in(name) if weights else 0.0 for name in candidates}
+    room = None if memory_bytes is None or not weights else MEMORY_SHARE * memory_bytes
     fitting_ones = [name for name in candidates if room is None or needs[name] <= room]
     if not fitting_ones:
         sizes = ", ".join(f"{name} {needs[name] / 2**30:.1f} GiB" for name in candidates)
-        raise ValueError(
+        raise TooBig(
             f"no qualified precision fits this machine's memory: {sizes} of weights, {room / 2**30:.1f} GiB usable "
             f"({MEMORY_SHARE:.0%} of {memory_bytes / 2**30:.1f} GiB available); free memory, or use a machine with more"
         )
@@ -316,7 +350,7 @@ def resolve_precision(
     *,
     stored_int8: bool,
     rates: Callable[[], Rates] | None = None,
-    parameters: int | None = None,
+    weights: WeightCounts | None = None,
     memory_bytes: int | None = None,
 ) -> Precision:
     """The precision to run: `requested`, else $CLEF_FLASH_PRECISION, else the fastest qualified one
@@ -327,7 +361,7 @@ def resolve_precision(
         if rates is None:
             raise ValueError("choosing a precision needs the machine's rates")
         precision = choose_precision(
-            device, stored_int8=stored_int8, rates=rates, parameters=parameters, memory_bytes=memory_bytes
+            device, stored_int8=stored_int8, rates=rates, weights=weights, memory_bytes=memory_bytes
         )
     else:
         precision = parse_precision(requested)
