@@ -4,10 +4,12 @@
     python benchmarks/bundle_9b.py --answer-from release    # the release itself, no conversion (issue 25)
     python benchmarks/bundle_9b.py --memory-gb 11           # the default as an 11 GB machine picks it
     python benchmarks/bundle_9b.py --precision default,int8-weight-only --rounds 2   # both, alternating
+    python benchmarks/bundle_9b.py --config 27b     # Clef 27B's shapes: on 24 GB, 8-bit with streamed layers (issue 43)
 
-Writes `DIR/release-9b` (32 layers, hidden 4096, vocabulary 248,320: about 19 GB of bf16, generated, never
-committed) unless it is there or not needed (the bundle is there and answers), converts it to `DIR/bundle-9b` as `clef-flash convert` does unless it is
-there, then in a fresh process loads the bundle and answers one
+Converts `random:9b` (32 layers, hidden 4096, vocabulary 248,320; each tensor drawn as it is converted, no release
+written) to `DIR/bundle-9b` as `clef-flash convert random:9b DIR/bundle-9b` does unless it is there (with
+`--answer-from release`, writes `DIR/release-9b` instead: about 19 GB of bf16, never committed), then in a fresh
+process loads the bundle and answers one
 ~370-token, 3-question record three times (the first reads the weights from disk and packs them for this
 CPU; the faster of the other two is the warm figure, both are printed). Each step runs in its own process, so each peak
 RSS is its own. `--precision` takes a comma-separated list (`default`: precision=None), one fresh process each,
@@ -62,8 +64,7 @@ def main() -> None:
     base = Path(args.dir).resolve()
     release, bundle = base / f"release-{args.config}", base / f"bundle-{args.config}"
 
-    needs_release = args.answer_from == "release" or not (bundle / "manifest.json").is_file()
-    if needs_release and not (release / "config.json").is_file():  # (a converted bundle answers without it)
+    if args.answer_from == "release" and not (release / "config.json").is_file():
         print(f"writing the random {args.config} release to {release} ...", flush=True)
         _, wall, peak = run_step(
             f"""
@@ -81,12 +82,11 @@ def main() -> None:
             f"""
             import json
             from clef_flash.conversion import convert
-            convert({str(release)!r}, {str(bundle)!r}, overwrite=True, progress=False)
+            convert("random:{args.config}", {str(bundle)!r}, overwrite=True, progress=False)
             print(json.dumps({{}}))
             """
         )
-        print(f"  {convert_s:.0f} s, peak RSS {convert_rss:.2f} GB, bundle {directory_gb(bundle):.2f} GB "
-              f"(release {directory_gb(release):.2f} GB)", flush=True)
+        print(f"  {convert_s:.0f} s, peak RSS {convert_rss:.2f} GB, bundle {directory_gb(bundle):.2f} GB", flush=True)
     answered = bundle if args.answer_from == "bundle" else release
 
     results = []
