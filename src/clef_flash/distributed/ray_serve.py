@@ -133,8 +133,9 @@ class ServeBatcher(Batcher):
 
 
 class OneRequestIdHeader:
-    """Drops the app's `x-request-id` from responses: Ray Serve's proxy adds the same id itself (the
-    app received it from the proxy and echoed it), and one header is what the local server sends."""
+    """Drops `x-request-id` from the front's answers (the app's, or the front's own 503): Ray Serve's proxy
+    adds the same id itself (the app received it from the proxy and echoed it), and one header is what
+    the local server sends."""
 
     def __init__(self, app: ASGIApp):
         self.app = app
