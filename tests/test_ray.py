@@ -314,6 +314,9 @@ CASES = [  # (method, path, body bytes or None, extra headers)
 @pytest.mark.slow  # a local Ray cluster
 def test_ray_serve_answers_every_case_as_the_local_server(ray_server, local_server):
     import httpx
+    from ray import serve
+
+    from clef_flash.distributed.ray_serve import APP_NAME
 
     seen = set()
     for method, path, body, headers in CASES:
@@ -331,6 +334,31 @@ def test_ray_serve_answers_every_case_as_the_local_server(ray_server, local_serv
     assert echoed.headers.get_list("x-request-id") == ["trace-7"] and echoed.headers["x-typesafe-request-id"] == "trace-7"
     health, expected = echoed.json(), local_server.get("/health").json()
     assert {key: value for key, value in health.items()} == expected
+    front = serve.get_deployment_handle("Front", APP_NAME)  # every request came through the front, none lost
+    assert front.stats.remote().result(timeout_s=30) == {"retried": 0, "unavailable": 0, "errors": {}}
+
+
+@pytest.mark.ray
+@pytest.mark.slow  # a local Ray cluster
+def test_a_client_gone_through_the_front_drops_its_job_on_the_replica(ray_server, spec):
+    """A request held in the replica's batch queue (a batch wait of a minute), its client gone: the proxy cancels the
+    front's request, the front the replica's, and the app takes the job out of its queue (dropped, 499)."""
+    import httpx
+    from ray import serve
+
+    from clef_flash.distributed.ray_serve import deployment
+
+    serve.run(deployment(spec, {**SETTINGS, "batch_wait_ms": 60_000}, cpus_per_replica=0.5), name="held", route_prefix="/held")
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(ray_server + "/held/v1/systemone", json=ticket, headers=AUTH, timeout=2)
+        deadline = time.monotonic() + 20
+        while "clef_flash_dropped_total 1.0" not in (metrics := httpx.get(ray_server + "/held/metrics").text):
+            assert time.monotonic() < deadline, metrics
+            time.sleep(0.2)
+        assert 'clef_flash_requests_total{route="/v1/systemone",status="499"} 1.0' in metrics
+    finally:
+        serve.delete("held")
 
 
 @pytest.mark.ray

@@ -2,8 +2,10 @@
 
     ray_batch.py   `clef-flash batch --ray`: Ray Data reads the input in fixed blocks, one engine per
                    actor scores them, the driver appends each block in order (resumable as locally)
-    ray_serve.py   `clef-flash serve --ray`: a Ray Serve deployment whose ingress is the local
-                   server's own app, its model queue `@serve.batch` instead of a worker thread
+    ray_serve.py   `clef-flash serve --ray`: Ray Serve replicas of the local server's own app, its model
+                   queue `@serve.batch` instead of a worker thread, behind a front on the head node
+    forwarding.py  the front's forwarding (a request lost with its replica forwarded once more, else 503)
+                   and the app called in-process on the replica's side
 
 What goes to a worker is an `EngineSpec`: the model source (a directory path, a hub id, "tiny") and
 the precision the driver resolved, never weights; each worker opens the source and loads it itself.

@@ -1,25 +1,36 @@
-"""`clef-flash serve --ray`: the System One server as a Ray Serve deployment.
+"""`clef-flash serve --ray`: the System One server on Ray Serve, a front deployment before the model's replicas.
 
-Each replica loads one engine from an `EngineSpec` and serves the very app `create_app` builds for
-the local server (its FastAPI ingress, late-bound per replica): the same routes, bodies, limits,
-errors, health and metrics by construction. The one seam is the batcher: `ServeBatcher` keeps the
-local batcher's interface and its batch runner (`Batcher._run`: metrics, a failed batch retried one
-record at a time, 500s), and replaces its queue and worker thread with Ray Serve's `@serve.batch`.
+Each `ClefFlash` replica loads one engine and runs the very app `create_app` builds for the local
+server, in-process (`forwarding.call_app`): the same routes, bodies, limits, errors, health and metrics
+by construction; the app's lifespan (the batcher, the warm-up) runs for as long as the replica. The one
+seam is the batcher: `ServeBatcher` keeps the local batcher's interface and its batch runner
+(`Batcher._run`: metrics, a failed batch retried one record at a time, 500s), and replaces its queue and
+worker thread with Ray Serve's `@serve.batch`.
 
-Ray Serve's proxy sits in front: it load-balances across replicas, adds its own `x-request-id`
-(the app echoes it, so this module drops the app's copy rather than send the header twice), and
-answers some things itself (README: its 503 backpressure and its timeouts).
+`Front`, the HTTP ingress, holds no model: pinned to the head node (whose loss is the cluster's), it
+reads each request whole and forwards it to a replica through a DeploymentHandle. A request whose
+replica is lost in flight (its node gone: Ray's actor death, `REPLICA_LOST`) is forwarded once more,
+to another replica (scoring is a pure function of the request); if that one is lost too, or no replica
+answers within the request deadline and a margin, the front answers 503 + Retry-After in the route's
+own error shape. The app's answers, 4xx and 5xx included, pass through untouched; a client that goes
+away cancels its request on the replica too (the job leaves the queue).
+
+Ray Serve's proxy sits in front: it adds its own `x-request-id` (the app echoes it, so the front drops
+the app's copy rather than send the header twice), and answers some things itself (README: its 503
+backpressure and its timeouts).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import signal
 import time
 from typing import TYPE_CHECKING, Any
 
 from ray import serve
+from ray.exceptions import ObjectLostError, RayActorError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..server.app import create_app
@@ -29,12 +40,18 @@ from ..server.batcher import Batcher, Job, QueueFull, WorkerUnavailable
 from ..server.metrics import ServerMetrics
 from ..engine import fitting
 from . import EngineSpec, connect
+from .forwarding import Answer, Forwarded, Forwarder, call_app
 
 if TYPE_CHECKING:
     from ..clef import Clef
 
 APP_NAME = "clef-flash"
 HEADROOM_REQUESTS = 16  # requests a replica takes beyond its queue and batch: /health, /metrics, the demo
+HEAD_NODE = {"node:__internal_head__": 0.001}  # Ray's own resource of the head node: a sliver pins an actor there
+# A replica lost with a request in flight: its actor died or is unreachable (RayActorError: ActorDiedError,
+# ActorUnavailableError), or its answer was lost with its node's object store (ObjectLostError).
+REPLICA_LOST = (RayActorError, ObjectLostError)
+DEADLINE_MARGIN_S = 30.0  # the front waits an attempt this much past the app's request deadline: no replica took it
 
 
 class ServeBatcher(Batcher):
@@ -116,8 +133,9 @@ class ServeBatcher(Batcher):
 
 
 class OneRequestIdHeader:
-    """Drops the app's `x-request-id` from responses: Ray Serve's proxy adds the same id itself (the
-    app received it from the proxy and echoed it), and one header is what the local server sends."""
+    """Drops `x-request-id` from the front's answers (the app's, or the front's own 503): Ray Serve's proxy
+    adds the same id itself (the app received it from the proxy and echoed it), and one header is what
+    the local server sends."""
 
     def __init__(self, app: ASGIApp):
         self.app = app
@@ -132,17 +150,53 @@ class OneRequestIdHeader:
 
 
 @serve.deployment(name="ClefFlash")
-@serve.ingress()
 class ClefFlash:
-    """A replica: one engine and the local server's app around it."""
+    """A replica: one engine and the local server's app around it, which answers each request the front forwards."""
 
-    def __init__(self, spec: EngineSpec, settings: dict[str, Any]):
+    async def __init__(self, spec: EngineSpec, settings: dict[str, Any]):
         self.model = spec.load()
-        self.settings = settings
+        make_batcher = functools.partial(build_batcher, kind=ServeBatcher)
+        self.app = create_app(self.model, make_batcher=make_batcher, **settings)
+        self.lifespan = contextlib.AsyncExitStack()  # the app's lifespan, exited when Serve stops the replica
+        await self.lifespan.enter_async_context(self.app.router.lifespan_context(self.app))
+
+    async def forward(self, request: Forwarded) -> Answer:
+        return await call_app(self.app, request)
+
+    async def __del__(self) -> None:  # Serve awaits it when it stops the replica
+        await self.lifespan.aclose()
+
+
+@serve.deployment(name="Front")
+@serve.ingress()
+class Front:
+    """The ingress: every request forwarded to a `ClefFlash` replica by `model`, a lost one once more (`Forwarder`)."""
+
+    def __init__(self, model: Any, settings: dict[str, Any]):
+        checked = ServerSettings(**settings)
+        self.model = model  # a DeploymentHandle of ClefFlash
+        self.forwarder = Forwarder(
+            self.forward,
+            REPLICA_LOST,
+            body_limit=checked.max_video_body_bytes,  # the app's largest: it reads no more
+            deadline_s=checked.request_timeout_s + DEADLINE_MARGIN_S,
+            retry_after_s=checked.retry_after_s,
+        )
 
     def __serve_build_asgi_app__(self) -> ASGIApp:
-        make_batcher = functools.partial(build_batcher, kind=ServeBatcher)
-        return OneRequestIdHeader(create_app(self.model, make_batcher=make_batcher, **self.settings))
+        return OneRequestIdHeader(self.forwarder)
+
+    async def forward(self, request: Forwarded) -> Answer:
+        response = self.model.forward.remote(request)
+        try:
+            return await response
+        except asyncio.CancelledError:  # the client went away, or the deadline passed: so does the request
+            response.cancel()
+            raise
+
+    def stats(self) -> dict[str, Any]:
+        """Requests forwarded twice, answered 503 here, and the errors of the failed attempts by type."""
+        return self.forwarder.stats()
 
 
 def deployment(
@@ -153,14 +207,21 @@ def deployment(
     cpus_per_replica: float = 1.0,
     gpus_per_replica: float = 0.0,
 ) -> Any:
-    """The bound application: `replicas` engines, each taking up to its queue, a batch and some
-    headroom at once, so that the app's own limits (429) answer before Serve's proxy queues."""
+    """The bound application: the front (no CPU, on the head node) before `replicas` engines, each taking up
+    to its queue, a batch and some headroom at once, so that the app's own limits (429) answer before Serve
+    queues; the front takes all of theirs at once, and more."""
     checked = ServerSettings(**settings)
-    return ClefFlash.options(
+    per_replica = checked.max_queue + checked.max_batch + HEADROOM_REQUESTS
+    model = ClefFlash.options(
         num_replicas=replicas,
-        max_ongoing_requests=checked.max_queue + checked.max_batch + HEADROOM_REQUESTS,
+        max_ongoing_requests=per_replica,
         ray_actor_options={"num_cpus": cpus_per_replica, "num_gpus": gpus_per_replica},
     ).bind(spec, settings)
+    return Front.options(
+        num_replicas=1,
+        max_ongoing_requests=replicas * per_replica + HEADROOM_REQUESTS,
+        ray_actor_options={"num_cpus": 0, "resources": HEAD_NODE},
+    ).bind(model, settings)
 
 
 def serve_on_ray(
@@ -178,7 +239,7 @@ def serve_on_ray(
 ) -> Any:
     """Deploy on Ray (joining `address`, or a new local cluster) behind Serve's proxy on host:port.
     Blocking: until interrupted, then the application is deleted (and Serve shut down when this call
-    started the cluster). Otherwise returns the deployment handle. `proxy_location`: Serve's default
+    started the cluster). Otherwise returns the front's deployment handle. `proxy_location`: Serve's default
     (a proxy on every node, each on host:port) or "HeadOnly" (nodes that share a host: one port)."""
     started = connect(address)
     serve.start(http_options={"host": host, "port": port}, **({"proxy_location": proxy_location} if proxy_location else {}))
@@ -201,4 +262,4 @@ def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
-__all__ = ["APP_NAME", "ClefFlash", "ServeBatcher", "deployment", "serve_on_ray"]
+__all__ = ["APP_NAME", "REPLICA_LOST", "ClefFlash", "Front", "ServeBatcher", "deployment", "serve_on_ray"]

@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import importlib.resources
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -74,6 +75,12 @@ def _valid_request_id(value: str | None) -> bool:
     return value is not None and 0 < len(value) <= 128 and value.isascii() and value.isprintable()
 
 
+def request_id_of(scope: Scope) -> str:
+    """The request's `x-request-id` when it is a fit one to echo (printable ASCII, 1-128 characters), else a new id."""
+    incoming = next((value.decode("latin-1") for key, value in scope["headers"] if key == b"x-request-id"), None)
+    return incoming if _valid_request_id(incoming) else uuid.uuid4().hex
+
+
 class RequestContext:
     """Gives every response a request id (an incoming `x-request-id` is echoed) and counts it."""
 
@@ -84,8 +91,7 @@ class RequestContext:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        incoming = next((value.decode("latin-1") for key, value in scope["headers"] if key == b"x-request-id"), None)
-        request_id = incoming if _valid_request_id(incoming) else uuid.uuid4().hex
+        request_id = request_id_of(scope)
         scope.setdefault("state", {})["request_id"] = request_id
         status, start = 500, time.perf_counter()
 
@@ -173,8 +179,22 @@ def workers_ai_response(outcome: Outcome, request_id: str) -> Response:
     return JSONResponse(body, status, {**headers, "cf-ai-req-id": request_id})
 
 
-def _unavailable(reason: str, retry_after_s: int) -> ApiError:
+def unavailable(reason: str, retry_after_s: int) -> ApiError:
     return ApiError(503, f"{reason}; retry after {retry_after_s} s", cf_code=3040, headers={"Retry-After": str(retry_after_s)})
+
+
+WORKERS_AI_ROUTE = re.compile(r"(/client/v4)?/accounts/[^/]+/ai/run/.+")
+
+
+def error_response(scope: Scope, error: Exception, request_id: str) -> Response:
+    """`error` as the route of `scope` would answer it (Workers AI's shape under `.../ai/run/`, else /v1's, which
+    is FastAPI's), with the request id headers: for what answers in front of the app (distributed/forwarding.py)."""
+    route_path = scope["path"][len(scope.get("root_path", "")) :]
+    shape = workers_ai_response if WORKERS_AI_ROUTE.fullmatch(route_path) else systemone_response
+    response = shape(error, request_id)
+    for name in REQUEST_ID_HEADERS:
+        response.headers[name] = request_id
+    return response
 
 
 # -- the server -------------------------------------------------------------------------------------
@@ -378,14 +398,14 @@ class SystemOneServer:
             return job.future.result()  # may raise InferenceError or WorkerUnavailable
         if disconnect in done:
             raise ClientGone
-        raise _unavailable(f"the model did not answer within {timeout:g} s", self.settings.retry_after_s)
+        raise unavailable(f"the model did not answer within {timeout:g} s", self.settings.retry_after_s)
 
     async def answer(self, request: Request, prepare: Callable[[bytes], Prepared]) -> tuple[dict[str, Any], dict[str, str]]:
         """`prepare`: the raw body to a prepared request (`self.prepare`, or a set's)."""
         self.check_api_key(request)
         retry_after = self.settings.retry_after_s
         if self.status == "shutting_down":
-            raise _unavailable("the server is shutting down", retry_after)
+            raise unavailable("the server is shutting down", retry_after)
         check_content_type(request.headers.get("content-type"))
         with self.parse_budget.reserve() as reservation:  # 429 past the bytes or requests being parsed
             raw = await read_body(request, self.settings.max_video_body_bytes, reservation)  # the largest limit
@@ -401,11 +421,11 @@ class SystemOneServer:
                 headers={"Retry-After": str(retry_after)},
             ) from None
         except WorkerUnavailable as error:
-            raise _unavailable(str(error), retry_after) from None
+            raise unavailable(str(error), retry_after) from None
         try:
             results = await self.wait_for(job, request)
         except WorkerUnavailable as error:
-            raise _unavailable(str(error), retry_after) from None
+            raise unavailable(str(error), retry_after) from None
         body = self.model.respond(prepared, results)
         timing = f"queue;dur={job.queue_ms():.1f}, model;dur={job.model_ms():.1f}"
         return body, {"Server-Timing": timing}

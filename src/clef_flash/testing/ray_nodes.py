@@ -134,7 +134,11 @@ class LocalNodes:
         del self.nodes[name]
 
     def stop(self) -> None:
-        self._kill(self.pids(), grace=0.0)
+        for _ in range(3):  # a raylet killed as it starts a worker leaves that worker behind: look again
+            pids = self.pids()
+            if not pids:
+                break
+            self._kill(pids, grace=0.0)
         self.nodes.clear()
         shutil.rmtree(self.root, ignore_errors=True)
 
@@ -200,6 +204,17 @@ def replicas_by_node(cpus_per_replica: float) -> dict[str, int]:
 
     free = available_resources_per_node()
     return {name: int(free.get(node_id, {}).get("CPU", 1.0) <= 1.0 - cpus_per_replica + 1e-9) for name, node_id in node_ids().items()}
+
+
+def nodes_of(deployment: str) -> list[str]:
+    """The names of the nodes where `deployment`'s live replicas run (Serve names their actors after the app and it)."""
+    from ray._private.state import actors
+
+    from ..distributed.ray_serve import APP_NAME
+
+    names = {node_id: name for name, node_id in node_ids().items()}
+    kind = f"ServeReplica:{APP_NAME}:{deployment}"
+    return sorted(names.get(actor["Address"]["NodeID"], "?") for actor in actors(actor_state_name="ALIVE").values() if actor["ActorClassName"] == kind)
 
 
 def running_replicas() -> int:
@@ -277,12 +292,21 @@ class ServeFault:
 
 
 def serve_through_a_lost_node(
-    cluster: LocalNodes, url: str, request: dict, headers: dict, *, cpus_per_replica: float, before_s: float = 2.0, alone_s: float = 2.0, after_s: float = 2.0
+    cluster: LocalNodes,
+    url: str,
+    request: dict,
+    headers: dict,
+    *,
+    cpus_per_replica: float,
+    clients: int = 2,
+    before_s: float = 2.0,
+    alone_s: float = 2.0,
+    after_s: float = 2.0,
 ) -> ServeFault:
-    """Under load (two replicas serving at `url`, one on each node): kill the worker node, serve on one replica for
-    `alone_s`, start the node again, wait until both replicas serve, go on for `after_s`."""
+    """Under load of `clients` (two replicas serving at `url`, one on each node): kill the worker node, serve on one
+    replica for `alone_s`, start the node again, wait until both replicas serve, go on for `after_s`."""
     both = {"head": 1, "worker": 1}
-    with Load(url, request, headers) as load:
+    with Load(url, request, headers, clients=clients) as load:
         time.sleep(before_s)
         killed = time.monotonic()
         cluster.kill_node("worker")
@@ -296,4 +320,4 @@ def serve_through_a_lost_node(
     return ServeFault(load.outcomes, killed, noticed, recovered - restarted, recovered)
 
 
-__all__ = ["KillTheWorkerNode", "Load", "LocalNodes", "Node", "ServeFault", "free_port", "node_ids", "serve_through_a_lost_node", "wait_for"]
+__all__ = ["KillTheWorkerNode", "Load", "LocalNodes", "Node", "ServeFault", "free_port", "node_ids", "nodes_of", "serve_through_a_lost_node", "wait_for"]
