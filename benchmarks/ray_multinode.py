@@ -10,8 +10,8 @@ A head and a worker node started with `ray start` on this machine (`clef_flash.t
 - kill and resume: two actors, the worker node's raylet SIGKILLed once both nodes have scored: lines scored per node,
   lines scored twice (the lost node's blocks), lines lost / written twice (0 / 0), bytes equal to the local batch's.
 - Serve: a replica on each node under light load (2 clients), the worker node killed, started again 2 s later: the
-  requests' statuses, the errors, the slowest answer, the time until Serve noticed, and from `ray start` until both
-  replicas serve again.
+  requests' statuses, the errors, the slowest answer, the time until Serve noticed, from `ray start` until both
+  replicas serve again, and the front's count of requests forwarded again (their replica lost in flight) or 503.
 Nodes on one machine share its cores: on a 2-core machine 2 nodes of 1 CPU are not two machines. Run it on a quiet one.
 """
 
@@ -136,6 +136,8 @@ def main() -> None:
             "slowest_s": round(max(o.seconds for o in fault.outcomes), 2),
             "noticed_s": round(fault.noticed_s, 1),
             "recovery_s": round(fault.restarted_s, 1),
+            # the front's own count: requests whose replica was lost in flight, forwarded once more (or answered 503)
+            "front": serve.get_deployment_handle("Front", APP_NAME).stats.remote().result(timeout_s=30),
         }
         serve.delete(APP_NAME)
     finally:

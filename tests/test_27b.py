@@ -99,9 +99,22 @@ def reference_backbone(name: str, ids: tuple[int, ...]) -> torch.nn.Module:
 
 
 @pytest.mark.slow  # 3.3B parameters drawn twice; ours in fp32 holds its 5 GB input table, the reference only rows
-def test_27b_part_matches_transformers_and_the_authors_head_fp32(reference, hf_tokenizer):
+def test_27b_part_matches_transformers_and_the_authors_head_fp32(reference, hf_tokenizer, monkeypatch):
     """At Clef 27B's widths (one DeltaNet and one attention layer, the real vocabulary, the head at 5120), our fp32
-    model against the reference, one after the other."""
+    model against the reference, one after the other. Both read the same draws of `random:27b-part`; the two tables
+    (248,320 x 5120, ~9 s a draw) are drawn once for both."""
+    drawn: dict = {}
+    draw = RandomTensors.get
+
+    def draw_tables_once(tensors: RandomTensors, name: str) -> torch.Tensor:
+        if name not in ("lm_head.weight", "model.language_model.embed_tokens.weight"):
+            return draw(tensors, name)
+        key = (tensors.seed, tensors.stored_dtype, name, tensors.shape(name))
+        if key not in drawn:
+            drawn[key] = draw(tensors, name)
+        return drawn[key]
+
+    monkeypatch.setattr(RandomTensors, "get", draw_tables_once)
     ours = clef_flash.load("random:27b-part", device="cpu", precision="fp32")
     mine = ours.logits(REQUEST)
     ids = ours.encode(REQUEST).input_ids
