@@ -36,6 +36,28 @@ def load_reference_module():
     return module
 
 
+FIGURES = pytest.StashKey[list]()
+
+
+def pytest_configure(config):
+    config.stash[FIGURES] = []
+
+
+@pytest.fixture(scope="session")
+def figures(pytestconfig):
+    """`figures(line)`: a parity figure shown in a section of its own at the end of the run, so that `pytest -q` (which
+    captures prints) and CI's log show it."""
+    return pytestconfig.stash[FIGURES].append
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    lines = config.stash.get(FIGURES, [])
+    if lines:
+        terminalreporter.section("figures")
+        for line in lines:
+            terminalreporter.line(line)
+
+
 @pytest.fixture(scope="module")
 def module_tmp(tmp_path_factory):
     """`mktemp(name)` for a module's fixtures: its folders are removed when the module's tests are done (a

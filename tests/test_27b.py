@@ -98,7 +98,7 @@ def reference_backbone(name: str, ids: tuple[int, ...]) -> torch.nn.Module:
 
 
 @pytest.mark.slow  # 3.3B parameters drawn twice; ours in fp32 holds its 5 GB input table, the reference only rows
-def test_27b_part_matches_transformers_and_the_authors_head_fp32(reference, hf_tokenizer, monkeypatch):
+def test_27b_part_matches_transformers_and_the_authors_head_fp32(reference, hf_tokenizer, monkeypatch, figures):
     """At Clef 27B's widths (one DeltaNet and one attention layer, the real vocabulary, the head at 5120), our fp32
     model against the reference, one after the other. Both read the same draws of `random:27b-part`; the two tables
     (248,320 x 5120, ~9 s a draw) are drawn once for both."""
@@ -133,7 +133,7 @@ def test_27b_part_matches_transformers_and_the_authors_head_fp32(reference, hf_t
         assert list(mine[question_id]) == list(options)
         scale = max(abs(value) for value in options.values())
         worst = max(worst, max(abs(mine[question_id][option] - value) for option, value in options.items()) / scale)
-    print(f"\n27b-part ({len(ids)} tokens): worst max|d|/max|ref| over {len(theirs)} questions = {worst:.2e}")
+    figures(f"27b-part fp32 vs transformers + the authors' head ({len(ids)} tokens, {len(theirs)} questions): worst max|d|/max|ref| = {worst:.2e}")
     assert worst <= 1e-5
 
 
@@ -180,7 +180,7 @@ def test_a_ray_worker_with_less_memory_streams_the_drivers_precision(tiny_dir, m
 
 @AT_27B_WIDTHS
 @pytest.mark.slow  # ~6 GB written: the bundle (its two embedding tables stay 16-bit), no release
-def test_a_27b_part_bundle_answers_as_the_release_quantized_at_load(tmp_path):
+def test_a_27b_part_bundle_answers_as_the_release_quantized_at_load(tmp_path, figures):
     """The bundle path at Clef 27B's widths: `convert random:27b-part` (the int8 scheme at 5120, 17408, 48 value heads)
     holds exactly the weights the release quantized while loading holds (drawn in memory), and answers as it does to
     float rounding (the bundle's tensors are memory-mapped at the file's offsets, the drawn ones fresh allocations:
@@ -203,5 +203,5 @@ def test_a_27b_part_bundle_answers_as_the_release_quantized_at_load(tmp_path):
         for question, options in answers[1][1].items()
         for option, value in options.items()
     )
-    print(f"\n27b-part bundle vs quantized at load: {len(weights[0])} decoder tensors equal, logits within {worst:.1e}")
+    figures(f"27b-part bundle vs quantized at load: {len(weights[0])} decoder tensors equal, logits within {worst:.1e}")
     assert worst <= 1e-5

@@ -64,7 +64,7 @@ def compare(ours_logits, reference_logits):
 
 
 @pytest.mark.parametrize("name", CASES)
-def test_whole_model_matches_reference_fp32(ours, reference_models, name):
+def test_whole_model_matches_reference_fp32(ours, reference_models, name, figures):
     model, reference_model = ours(name), reference_models(name)
     requests = requests_for(name)
     worst, flips, questions = 0.0, [], 0
@@ -73,7 +73,7 @@ def test_whole_model_matches_reference_fp32(ours, reference_models, name):
         worst = max(worst, error)
         flips += flipped
         questions += len(request["questions"])
-    print(f"\n{name}: {len(requests)} requests, {questions} questions, worst max|d|/max|ref| = {worst:.2e}, decisions differing: {len(flips)}")
+    figures(f"{name} fp32 vs the reference: {len(requests)} requests, {questions} questions, worst max|d|/max|ref| = {worst:.2e}, decisions differing: {len(flips)}")
     assert worst <= 1e-4
     assert flips == []
 
