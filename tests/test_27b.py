@@ -160,6 +160,7 @@ def test_the_default_streams_layers_when_no_precision_fits_whole(tiny_dir, monke
     assert streamed.logits(REQUEST) == whole.logits(REQUEST)
 
 
+@pytest.mark.slow  # three loads of tiny
 def test_a_ray_worker_with_less_memory_streams_the_drivers_precision(tiny_dir, monkeypatch, one_torch_thread):
     """The driver resolved int8-w8a8 whole; a worker node with room for 2 of tiny's 4 layers streams it (the same plan
     key: the same answers), where a given precision in `load` is never weighed against memory."""
