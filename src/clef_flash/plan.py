@@ -113,14 +113,15 @@ class Resolvable(Protocol):
     def layer_parameters(self) -> list[int]: ...
 
 
-def streamed(checkpoint: Resolvable, measured: Rates, memory_bytes: int, too_big: TooBig, name: str | None = None) -> tuple[Precision, int]:
+def streamed(
+    checkpoint: Resolvable, weights: WeightCounts, measured: Rates, memory_bytes: int, too_big: TooBig, name: str | None = None
+) -> tuple[Precision, int]:
     """When `name` (None: no qualified precision) does not fit memory whole: `name`, else the faster qualified 8-bit
     path, with as many decoder layers resident as fit in MEMORY_SHARE of `memory_bytes` beside the rest of the model
-    (counted as `choose_precision` counts it: `WeightCounts.bytes_in`), the others read from the memory-mapped files
+    (`weights`, counted as `choose_precision` counts them: `WeightCounts.bytes_in`), the others read from the memory-mapped files
     as they run. Not even one layer fitting is `too_big`, raised as it was."""
     layers = checkpoint.layer_parameters()
-    weights = checkpoint.weight_counts()
-    if not layers or weights is None:
+    if not layers:
         raise too_big
     if name is None:
         names = [name for name in ("int8-w8a8", "int8-weight-only") if name != "int8-w8a8" or measured.int8_kernel is not None]
@@ -166,11 +167,11 @@ def resolve(
             whole = weights.bytes_in(precision.name) if weights and requested is not None else 0
             if memory and whole > MEMORY_SHARE * memory:  # given (fit_memory): streamed in it, if one layer at a time fits
                 too_big = TooBig(f"{precision.name} does not fit this machine's memory whole: {whole / 2**30:.1f} GiB")
-                precision, resident = streamed(checkpoint, rates(), memory, too_big, precision.name)
+                precision, resident = streamed(checkpoint, weights, rates(), memory, too_big, precision.name)
         except TooBig as exc:
             if weights is None:
                 raise
-            precision, resident = streamed(checkpoint, rates(), memory, exc)
+            precision, resident = streamed(checkpoint, weights, rates(), memory, exc)
     except ValueError as exc:
         raise ClefError(f"{checkpoint.where} {exc}" if checkpoint.stored_int8 else str(exc)) from None
     if precision.int8_mode != W8A8 or device.type != "cpu":
