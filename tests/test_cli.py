@@ -161,3 +161,12 @@ def test_help_names_every_random_config(capsys, monkeypatch, command):
         main([command, "--help"])
     out = capsys.readouterr().out
     assert [name for name in RANDOM_CONFIGS if name not in out] == []
+
+
+def test_server_limits_that_do_not_combine_are_one_line_naming_the_flags(capsys):
+    """A text body limit past half the parsing budget (the video limit rises with it): refused before any model loads,
+    in the flags' names, never a traceback."""
+    assert main(["serve", "--model", "tiny", "--max-body-bytes", "50000000"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("error: --max-parsing-bytes (71303168) must be at least twice --max-video-body-bytes (50000000)"), error
+    assert "\n" not in error and "max_" not in error

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -171,7 +172,18 @@ def command_render(args: argparse.Namespace) -> int:
 
 
 def served_settings(args: argparse.Namespace, command: str) -> dict[str, Any]:
-    return ServerSettings.from_flags({name: getattr(args, name) for name in ServerSettings.flags(command)})
+    """The server settings of `command`'s flags, their combination checked before any model loads: an error names
+    the flags (`--max-parsing-bytes`), not the settings' fields."""
+    flags = ServerSettings.flags(command)
+    settings = ServerSettings.from_flags({name: getattr(args, name) for name in flags})
+    try:
+        ServerSettings(**settings)
+    except ValueError as error:
+        message = str(error)
+        for name in sorted(flags, key=len, reverse=True):  # max_video_body_bytes before max_body_bytes
+            message = re.sub(rf"\b{name}\b", "--" + name.replace("_", "-"), message)
+        raise ClefError(message) from None
+    return settings
 
 
 def command_serve(args: argparse.Namespace) -> int:
