@@ -118,8 +118,8 @@ def streamed(
 ) -> tuple[Precision, int]:
     """When `name` (None: no qualified precision) does not fit memory whole: `name`, else the faster qualified 8-bit
     path, with as many decoder layers resident as fit in MEMORY_SHARE of `memory_bytes` beside the rest of the model
-    (`weights`, counted as `choose_precision` counts them: `WeightCounts.bytes_in`), the others read from the memory-mapped files
-    as they run. Not even one layer fitting is `too_big`, raised as it was."""
+    (`weights`, counted as `choose_precision` counts them: `WeightCounts.bytes_in`), the others read from the
+    memory-mapped files as they run. Not even one layer fitting is `too_big`, raised as it was."""
     layers = checkpoint.layer_parameters()
     if not layers:
         raise too_big
