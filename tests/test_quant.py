@@ -254,6 +254,13 @@ def test_projections_that_read_one_input_rotate_it_once(monkeypatch):
     s = smoothing(torch.rand(16, generator=generator), 16, offset=True)
     first, second = (_filled(WeightOnlyLinear(16, 8), torch.randn(8, 16, generator=generator), s.clone()) for _ in range(2))
     other = _filled(WeightOnlyLinear(16, 8), torch.randn(8, 16, generator=generator), s * 2)
+    attention = torch.nn.Module()  # as a layer's q and k: `share_smoothing` (at load) gives them one smoothing tensor
+    attention.q_proj, attention.k_proj = first, second
+    layer = torch.nn.Module()
+    layer.self_attn = attention
+    assert first.input_smoothing is not second.input_smoothing
+    quant.share_smoothing(layer)
+    assert first.input_smoothing is second.input_smoothing  # (known by identity in a forward: no device compare)
     x = torch.randn(3, 16, generator=generator)
     calls.clear()  # (quantizing the weights rotated them)
     first(x), second(x)

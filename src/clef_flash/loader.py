@@ -108,6 +108,7 @@ def load(
     adapter: str | os.PathLike[str] | None = None,
     adapters: Mapping[str, str | os.PathLike[str]] | None = None,
     plan: Plan | None = None,
+    graphs: str | None = None,
 ) -> Clef:
     """Load a model: a release or bundle directory, a Core ML export, a Hugging Face repo id, "tiny" (a
     generated random release) or "random:NAME[:SEED]" (random weights drawn in memory; names in RANDOM_CONFIGS).
@@ -124,7 +125,9 @@ def load(
     memory, at most 4 GiB; 0: off (records of one call still share their states).
     A Core ML export runs as exported (no `precision`); `coreml_runner`: "coreml" (the default; macOS only)
     or "torch" (its traced fp32 twins, rebuilt from the source it was exported from). `plan`: run in this plan
-    (from `resolve_plan` on this machine), not one resolved again.
+    (from `resolve_plan` on this machine), not one resolved again. `graphs` (a GPU): how whole decoder steps are
+    captured as CUDA graphs (engine/graphs.py): "lazy" (the default: each shape on first use), "load" (every
+    bucket's at load), "eager" (no capture) or "off" (not through the graph pool).
     `adapter`: a clef-finetune checkpoint directory (adapter/ + joint_head.safetensors) that answers as the
     fine-tune does (merged into 16/32-bit weights; kept apart beside int8 ones). `adapters`: name -> checkpoint
     directory, loaded beside one copy of the base; a request picks one by its `adapter` field (left out: the
@@ -153,7 +156,8 @@ def load(
         resident_layers = resident_layers or plan.resident_layers  # the default streams what does not fit
         segment_tokens = DEFAULT_SEGMENT_TOKENS if segment_tokens is None else segment_tokens
         backend = TorchBackend(
-            checkpoint, plan, resident_layers=resident_layers, segment_tokens=segment_tokens, adapters=read, default_adapter=default_adapter
+            checkpoint, plan, resident_layers=resident_layers, segment_tokens=segment_tokens, adapters=read, default_adapter=default_adapter,
+            graphs=graphs,
         )
     cache_mb = default_state_cache_mb() if state_cache_mb is None else state_cache_mb
     if cache_mb < 0:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .buckets import batch_bucket, sequence_bucket
 from .model.qwen3_5 import DecoderState, Qwen35Decoder
 from .model.vision import rope_positions
 from .request.records import RecordMedia
@@ -27,6 +28,8 @@ DEFAULT_SEGMENT_TOKENS = 2048
 # on_segment(hidden [B', L, D], rows: indices into the rows given, starts: tokens of each row before this
 # step, counts: real tokens of each row in this step)
 OnSegment = Callable[[torch.Tensor, list[int], list[int], list[int]], None]
+# whole_step(input_ids [B, L] long, on the host) -> last_hidden_state [B, L, D] on the device: a whole step's runner
+WholeStep = Callable[[torch.Tensor], torch.Tensor]
 # route(rows: indices into the rows given, counts, width) -> the context a step's decoder call runs in (which
 # adapter each row takes: model/lora.py)
 Route = Callable[[list[int], list[int], int], contextlib.AbstractContextManager]
@@ -54,6 +57,8 @@ def run_segments(
     keep_states: bool = False,
     media: Sequence[RowMedia | None] | None = None,
     route: Route | None = None,
+    bucketed: bool = False,
+    whole_step: WholeStep | None = None,
 ) -> list[DecoderState] | None:
     """Run every row's tokens (row i continuing from row i of `state`, if given) in steps of `segment`.
 
@@ -62,6 +67,10 @@ def run_segments(
 
     With `keep_states`, returns each row's final state on its own (compact; what a cache keeps). `route`: the
     context each step runs in (the rows' adapters).
+
+    `bucketed` (the GPU path, buckets.py): each step's width is a sequence bucket, and a *whole* step (rows from their
+    start, no state in or out, no media, no adapters) also runs a batch bucket of rows, through `whole_step` when
+    given (engine/graphs.py: a captured CUDA graph per shape) instead of the decoder.
     """
     if segment < 1:
         raise ValueError(f"segment must be at least 1 token, not {segment}")
@@ -77,14 +86,20 @@ def run_segments(
         counts = [min(segment, len(rows[index]) - done[index]) for index in active]
         finishing = [done[index] + count == len(rows[index]) for index, count in zip(active, counts)]
         return_state = keep_states or not all(finishing)
-        input_ids = torch.full((len(active), max(counts)), pad_id, dtype=torch.long)
+        with_media = media is not None and any(media[index] is not None for index in active)
+        whole = bucketed and state is None and not return_state and not with_media and route is None
+        width = sequence_bucket(max(counts)) if bucketed else max(counts)
+        input_ids = torch.full((batch_bucket(len(active)) if whole else len(active), width), pad_id, dtype=torch.long)
         for row, (index, count) in enumerate(zip(active, counts)):
             input_ids[row, :count] = torch.tensor(rows[index][done[index] : done[index] + count], dtype=torch.long)
-        inputs = {}
-        if media is not None and any(media[index] is not None for index in active):
-            inputs = media_inputs(decoder, input_ids.to(device), [media[index] for index in active], [past_of[index] + done[index] for index in active], counts)
-        with contextlib.nullcontext() if route is None else route(active, counts, input_ids.shape[1]):
-            output = decoder(input_ids.to(device), counts, state=state, return_state=return_state, reserve=reserve, **inputs)
+        if whole:  # rows from their start, nothing kept: lengths change nothing (causality), padding rows dropped
+            output = (whole_step or (lambda ids: decoder(ids.to(device))))(input_ids)[: len(active)]
+        else:
+            inputs = {}
+            if with_media:
+                inputs = media_inputs(decoder, input_ids.to(device), [media[index] for index in active], [past_of[index] + done[index] for index in active], counts)
+            with contextlib.nullcontext() if route is None else route(active, counts, input_ids.shape[1]):
+                output = decoder(input_ids.to(device), counts, state=state, return_state=return_state, reserve=reserve, **inputs)
         hidden, state = output if return_state else (output, None)
         on_segment(hidden, active, [done[index] for index in active], counts)
         del hidden, output

@@ -227,7 +227,7 @@ def build_model(checkpoint: Checkpoint, plan: Plan, *, resident_layers: int | No
         device=device,
         strict=not resident_layers,
     )
-    pack_int8(decoder)  # (streamed layers: each when its window fills it)
+    pack_int8(decoder, device=device)  # (streamed layers: each when its window fills it)
     stored_lm_head = tensors.get(LM_HEAD)
     lm_head = stored_lm_head.to(device=device, dtype=precision.lm_head_dtype(stored_lm_head.dtype))
 

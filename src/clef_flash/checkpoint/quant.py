@@ -39,6 +39,7 @@ from ..model.precision import (
     SCALE_DTYPE,
     SCALE_SUFFIX,
     SMOOTHING_EXPONENT,
+    SMOOTHED_BY,
     SMOOTHING_SUFFIX,
     TWO_DIGITS,
     W8A8,
@@ -113,10 +114,6 @@ def weight_only_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) ->
 _last_rotation = threading.local()  # .entry: (input, its version, smoothing, (input / smoothing) R)
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a is b or (a.shape == b.shape and torch.equal(a, b))
-
-
 class Int8Linear(nn.Module):
     """A bias-free linear in the int8 scheme, a drop-in for `nn.Linear`: `weight` int8 [O, I] (of `(W diag(s)) R`),
     `weight_scale` fp32 [O], `input_smoothing` fp32 [I] (`s`). Subclasses say how the product is computed."""
@@ -134,10 +131,11 @@ class Int8Linear(nn.Module):
         """x [..., I] -> (x / s) R as fp32 [M, I]: what the int8 weight multiplies. The projections that read one
         input with one smoothing (q, k, v; in_proj_qkv, in_proj_z; gate, up) rotate it once: the last rotation is
         kept (per thread) with the very tensor it came from and that tensor's version (an inference tensor has none:
-        the decoder never changes a projection's input in place, tests/test_quant.py)."""
+        the decoder never changes a projection's input in place, tests/test_quant.py); the smoothing by identity too:
+        `share_smoothing` made those projections' one tensor."""
         version = None if x.is_inference() else x._version
         last = getattr(_last_rotation, "entry", None)
-        if last is not None and last[0] is x and last[1] == version and _same(last[2], self.input_smoothing):
+        if last is not None and last[0] is x and last[1] == version and last[2] is self.input_smoothing:
             return last[3]
         rotated = rotate(x.reshape(-1, self.in_features), column_scale=1.0 / self.input_smoothing)  # [M, I] fp32
         _last_rotation.entry = (x, version, self.input_smoothing, rotated)
@@ -195,12 +193,31 @@ class TwoDigitLinear(W8A8Linear):
         return self.shaped(self.kernel.two_digit_linear(self.inputs(x), self.packed, self.weight_scale), x)
 
 
-def pack_int8(module: nn.Module) -> None:
+def pack_int8(module: nn.Module, *, device: torch.device | None = None) -> None:
     """Pack every filled int8 linear of `module` for its kernel (`load` and the low-memory window call this; a layer
-    still on the meta device waits for its window)."""
+    still on the meta device waits for its window, unless the model's `device` is meta: testing/fake_gpu.py's GPU),
+    and let the projections that read one norm share one `input_smoothing` (`share_smoothing`)."""
+    share_smoothing(module)
     for child in module.modules():
-        if isinstance(child, Int8Linear) and not child.weight.is_meta:
+        if isinstance(child, Int8Linear) and (not child.weight.is_meta or (device is not None and device.type == "meta")):
             child.pack()
+
+
+def share_smoothing(module: nn.Module) -> None:
+    """The projections that read one norm's output (q, k, v; in_proj_qkv, in_proj_z; gate, up) hold one `input_smoothing`
+    tensor: the same values (from that norm), and `Int8Linear.inputs` then knows their common input by identity alone,
+    rotating it once without comparing values on the device (a host sync on a GPU). Compared here, at load."""
+    shared: dict[tuple[str, str], torch.Tensor] = {}
+    for name, child in module.named_modules():
+        if not isinstance(child, Int8Linear):
+            continue
+        for projection, (norm, _) in SMOOTHED_BY.items():
+            if name == projection or name.endswith("." + projection):
+                key = (name[: len(name) - len(projection)], norm)
+                first = shared.setdefault(key, child.input_smoothing)
+                if first is not child.input_smoothing and (first.is_meta or torch.equal(first, child.input_smoothing)):
+                    child.input_smoothing = first
+                break
 
 
 def unpack_int8(module: nn.Module) -> None:

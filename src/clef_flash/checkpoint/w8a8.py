@@ -37,8 +37,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
+from .. import device_io
 from ..model.precision import FP32, INT8
 
 ONEDNN, INT_MM, FBGEMM = "onednn", "int_mm", "fbgemm"
@@ -82,10 +82,17 @@ def _int_mm_pack(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def _int_mm_multiply(xq: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    rows = xq.shape[0]
-    if xq.device.type == "cuda":  # cuBLAS int8 wants M > 16 and a multiple of 8
-        xq = F.pad(xq, (0, 0, 0, max(32, -(-rows // 8) * 8) - rows))
-    return torch._int_mm(xq, q.t())[:rows].float().mul_(scale[None, :])  # [M, O]
+    if device_io.is_gpu(xq.device) and not int_mm_shape_ok(*xq.shape, q.shape[0]):
+        raise ValueError(
+            f"torch._int_mm on a GPU takes M > 16 and M, K, N multiples of 8; got M={xq.shape[0]}, K={xq.shape[1]}, "
+            f"N={q.shape[0]} (the GPU path pads every step to a sequence bucket: engine/buckets.py)"
+        )
+    return torch._int_mm(xq, q.t()).float().mul_(scale[None, :])  # [M, O]
+
+
+def int_mm_shape_ok(rows: int, inner: int, out: int) -> bool:
+    """cuBLASLt's int8 product as torch._int_mm takes it on CUDA: more than 16 rows, every dimension a multiple of 8."""
+    return rows > 16 and rows % 8 == 0 and inner % 8 == 0 and out % 8 == 0
 
 
 def _onednn_available() -> bool:

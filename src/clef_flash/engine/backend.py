@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -69,13 +69,16 @@ class HeadClock:
     """Splits a decoder loop's time: what runs inside `with clock:` (the head reading each segment) goes to
     head_ms, the rest of the loop's seconds (`close`) to decoder_ms; one decoder step per `with`."""
 
-    def __init__(self, timings: Timings):
-        self.timings, self.inside = timings, 0.0
+    def __init__(self, timings: Timings, sync: Callable[[], None] = lambda: None):
+        """`sync`: called at each boundary (device_io.timing_sync: a no-op unless a benchmark asks)."""
+        self.timings, self.inside, self.sync = timings, 0.0, sync
 
     def __enter__(self) -> None:
+        self.sync()
         self.started = time.perf_counter()
 
     def __exit__(self, *exc) -> None:
+        self.sync()
         self.inside += time.perf_counter() - self.started
         self.timings.forwards += 1
 

@@ -24,12 +24,15 @@ from ..checkpoint.adapters import AdapterCheckpoint, LoadedAdapters, install_ada
 from ..errors import ClefError, adapter_not_loaded, no_vision_tower
 from ..model.head_batch import build_head_batch, softmax_per_question, split_logits
 from ..model.joint_head import FeatureBuilder
+from ..model.lora import BASE
 from ..model.qwen3_5 import DecoderState
 from ..plan import Plan
 from ..prefill import DEFAULT_SEGMENT_TOKENS, RowMedia, row_media, run_segments
 from ..request.records import EncodedRecord, RecordMedia
 from ..state_cache import CachedState
+from .. import device_io
 from .backend import HeadClock, QuestionResult, Timings
+from .graphs import CAPTURE_MODES, GraphPool
 
 
 class TorchBackend:
@@ -46,9 +49,11 @@ class TorchBackend:
         segment_tokens: int = DEFAULT_SEGMENT_TOKENS,
         adapters: Mapping[str, AdapterCheckpoint] | None = None,
         default_adapter: str | None = None,
+        graphs: str | None = None,
     ):
         """`adapters`: clef-finetune checkpoints by name (checkpoint.adapters.read_adapters), run beside the base;
-        `default_adapter`: the one a record that names none takes (None: the base)."""
+        `default_adapter`: the one a record that names none takes (None: the base). `graphs` (a GPU): how whole steps
+        are captured (engine/graphs.py: "lazy", "load", "eager" or "off"; None: "lazy" on CUDA)."""
         if segment_tokens < 1:
             raise ClefError(f"segment_tokens must be at least 1, not {segment_tokens}")
         self.plan = plan
@@ -60,6 +65,15 @@ class TorchBackend:
         self.adapters: LoadedAdapters | None = None
         if adapters:
             self.adapters = install_adapters(self.parts, plan, adapters, default=default_adapter, resident_layers=resident_layers)
+        # A GPU runs every step in bucketed shapes (buckets.py), whole steps through captured graphs (not with
+        # streamed layers: their weights arrive from the host as they run).
+        self.bucketed = device_io.is_gpu(self.device)
+        self.graphs: GraphPool | None = None
+        if graphs not in (None, *CAPTURE_MODES):
+            raise ClefError(f"unknown graphs mode {graphs!r}: use one of {', '.join(CAPTURE_MODES)}")
+        if self.bucketed and graphs != "off" and not resident_layers:
+            mode = graphs or ("lazy" if self.device.type == "cuda" else "eager")
+            self.graphs = GraphPool(self.parts.decoder, self.pad_id, self.device, mode)
 
     def check(self, record: EncodedRecord) -> None:
         """Any record within the token limit runs here (the limit is checked when it is encoded); one with
@@ -70,7 +84,9 @@ class TorchBackend:
             raise adapter_not_loaded(record.adapter, [] if self.adapters is None else list(self.adapters.adapters))
 
     def describe(self) -> dict[str, Any]:
-        described: dict[str, Any] = {"segment_tokens": self.segment_tokens}
+        described: dict[str, Any] = {"segment_tokens": self.segment_tokens, "bucketed": self.bucketed}
+        if self.graphs is not None:
+            described["graphs"] = self.graphs.describe()
         if self.adapters is not None:
             described["adapters"] = self.adapters.describe()
         return described
@@ -82,8 +98,8 @@ class TorchBackend:
     def _route(self, names: Sequence[str | None]):
         """run_segments' `route` for rows of these adapters (None: no adapter is kept apart)."""
         bank = None if self.adapters is None else self.adapters.bank
-        if bank is None:
-            return None
+        if bank is None or (bank.default == BASE and all(name is None for name in names)):
+            return None  # (the base's rows alone need no routing: whole steps of them can be graphed)
         slots = [bank.slot_of(name) for name in names]
         return lambda active, counts, width: bank.route([slots[index] for index in active], counts, width)
 
@@ -100,7 +116,7 @@ class TorchBackend:
         """Run each row (a prefix + state, with its record's images, through its adapter) and keep its decoder
         state and its head's memory rows."""
         memory: list[list[torch.Tensor]] = [[] for _ in rows]
-        clock = HeadClock(timings)
+        clock = HeadClock(timings, device_io.timing_sync(self.device))
         names = [None] * len(rows) if adapters is None else list(adapters)
 
         def keep_memory(hidden, active, starts, counts):
@@ -121,9 +137,9 @@ class TorchBackend:
             keep_states=True,
             media=None if media is None else self._media(rows, media, [False] * len(rows)),
             route=self._route(names),
+            bucketed=self.bucketed,
         )
         kept = [CachedState(state, torch.cat(pieces), len(row)) for state, pieces, row in zip(states, memory, rows)]
-        self._sync()
         clock.close(time.perf_counter() - started)
         return kept
 
@@ -146,7 +162,7 @@ class TorchBackend:
         self, records: Sequence[EncodedRecord], entries: Sequence[CachedState | None], timings: Timings
     ) -> list[list[QuestionResult]]:
         start = time.perf_counter()
-        clock = HeadClock(timings)
+        clock = HeadClock(timings, device_io.timing_sync(self.device))
         names = [record.adapter for record in records]
         lengths = [record.token_count for record in records]
         starts = [0 if entry is None else entry.tokens for entry in entries]
@@ -184,16 +200,19 @@ class TorchBackend:
             state=state,
             media=self._media([record.input_ids for record in records], [record.media for record in records], [entry is not None for entry in entries]),
             route=self._route(names),
+            bucketed=self.bucketed,
+            whole_step=self.graphs,
         )
-        self._sync()
-        clock.close(time.perf_counter() - start)
+        clock.sync()
+        clock.close(time.perf_counter() - start)  # (on a GPU the host's time, unless timing_sync waits for the device)
         decoded = time.perf_counter()
         results: list[list[QuestionResult]] = [[] for _ in records]
         for name, members, head_batch, builder in groups:
             logits = self.head_of(name).score(builder.features(), head_batch, self.parts.lm_head)  # [No]
             probabilities = softmax_per_question(logits, head_batch)
-            per_record_logits = split_logits(logits.double().cpu(), head_batch)
-            per_record_probabilities = split_logits(probabilities.double().cpu(), head_batch)
+            host_logits, host_probabilities = device_io.to_host([logits.double(), probabilities.double()])  # the one readback
+            per_record_logits = split_logits(host_logits, head_batch)
+            per_record_probabilities = split_logits(host_probabilities, head_batch)
             for index, record_logits, record_probabilities in zip(members, per_record_logits, per_record_probabilities):
                 results[index] = [
                     QuestionResult(question.question_id, question.option_ids, tuple(q_logits.tolist()), tuple(q_probabilities.tolist()))
@@ -211,10 +230,6 @@ class TorchBackend:
         if self._empty_state is None:
             self._empty_state = self.parts.decoder.empty_state()
         return self._empty_state
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
 
 def _by_adapter(names: Sequence[str | None]) -> list[tuple[str | None, list[int]]]:

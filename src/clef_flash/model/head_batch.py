@@ -37,7 +37,8 @@ class HeadBatch:
     max_record_options: int  # max options in one record
     max_question_options: int  # max options in one question
 
-    # One row per token of every span (P = total span length): where to read Hn, which span it sums into.
+    # One row per token of every span (P = total span length): where to read Hn, which span it sums into. Kept on
+    # the host: a segment's rows of them are picked there and only those indices go up (no device read in a forward).
     span_token_record: Tensor  # [P] long
     span_token_position: Tensor  # [P] long, position inside its record
     span_token_span: Tensor  # [P] long, span index s
@@ -157,9 +158,9 @@ def build_head_batch(records: Sequence[Any], device: torch.device | str | None =
         max_questions=max_questions,
         max_record_options=max_record_options,
         max_question_options=max(options_per_question),
-        span_token_record=put(span_record[token_span]),
-        span_token_position=put(token_position),
-        span_token_span=put(token_span),
+        span_token_record=span_record[token_span],
+        span_token_position=token_position,
+        span_token_span=token_span,
         span_lengths=put(lengths.to(HEAD_DTYPE)),
         question_record=put(torch.tensor(question_record, **long)),
         question_slot=put(torch.tensor(question_slot, **long)),

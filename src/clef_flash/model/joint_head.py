@@ -288,13 +288,12 @@ class FeatureBuilder:
         start_of[list(records)] = torch.tensor(list(starts), dtype=torch.long)
         end_of = start_of.clone()
         end_of[list(records)] += torch.tensor(list(counts), dtype=torch.long)
-        token_record = batch.span_token_record.cpu()  # [P]
-        position = batch.span_token_position.cpu()  # [P]
+        token_record, position = batch.span_token_record, batch.span_token_position  # [P] each, on the host
         inside = (row_of[token_record] >= 0) & (position >= start_of[token_record]) & (position < end_of[token_record])
-        if inside.any():
+        if inside.any():  # (host tensors: picked here, only the picked indices go to the device)
             rows = row_of[token_record[inside]].to(self.device)
             offsets = (position[inside] - start_of[token_record[inside]]).to(self.device)
-            self.span_sums.index_add_(0, batch.span_token_span[inside.to(batch.span_token_span.device)], normed[rows, offsets])
+            self.span_sums.index_add_(0, batch.span_token_span[inside].to(self.device), normed[rows, offsets])
 
     def features(self) -> HeadFeatures:
         if list(self.filled) != list(self.lengths):

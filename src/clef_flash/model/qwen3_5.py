@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
+from .. import device_io
 from .config import TextConfig
 from .ops.gated_delta_rule import causal_conv1d_silu, gated_delta_rule, l2norm
 from .precision import compute_dtype
@@ -226,8 +227,9 @@ def rotary_cos_sin(
     work = compute_dtype(dtype)
     rd = config.rotary_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, rd, 2, dtype=work, device=device) / rd))
-    starts = torch.tensor(start, device=device)  # [] or [B]
-    positions = (starts[..., None] + torch.arange(length, device=device)).to(work)  # [L] or [B, L]
+    steps = torch.arange(length, device=device)  # [L]
+    # one start: added as a number (nothing to send up: a CUDA graph may capture this); one per row: [B, L]
+    positions = (steps + start if isinstance(start, int) else torch.tensor(start, device=device)[:, None] + steps).to(work)
     angles = positions[..., None] * inv_freq  # [(B,) L, rd/2]
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
@@ -625,7 +627,7 @@ class Qwen35Decoder(nn.Module):
             cos, sin = rotary_cos_sin(self.config, start, L, x.dtype, x.device)
         else:
             cos, sin = mrope_cos_sin(self.config, positions, x.dtype, x.device)
-        real = None  # padded rows (continuations of different lengths): the MLPs skip the padding
-        if rows.padded:
-            real = (torch.arange(L, device=x.device) < torch.tensor(new, device=x.device)[:, None]).flatten().nonzero().squeeze(1)
+        real = None  # padded rows on a CPU: the projections and MLPs skip the padding (found on the host, sent up)
+        if rows.padded and not device_io.is_gpu(x.device):  # a GPU runs the whole padded grid: fixed shapes
+            real = (torch.arange(L) < torch.tensor(new)[:, None]).flatten().nonzero().squeeze(1).to(x.device)
         return LayerInputs(x, cos, sin, rows, real)
