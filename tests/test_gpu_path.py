@@ -215,3 +215,27 @@ def test_the_gpu_benchmark_dry_run(tmp_path):
     assert result["dry_run"] and not result["skipped"]
     assert result["stand_in"]["readbacks"] > 0 and result["stand_in"]["captures"] > 0
     assert result["stages"]["speed 9b-part bf16"]["raw"]["record_ms"]
+
+
+def test_images_run_on_the_device_without_a_host_sync(vision_release):
+    """A state with images: the vision tower and the features scattered into the embeddings, on the stand-in GPU,
+    then a second question set continuing the kept state."""
+    import base64
+    import io
+
+    import numpy as np
+
+    image_module = pytest.importorskip("PIL.Image")
+    release = vision_release("gpu-vision", 3, preprocessor_config=256 * 256)
+    pixels = np.random.default_rng(0).integers(0, 255, (300, 400, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    image_module.fromarray(pixels).save(buffer, "PNG")
+    uri = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    request = {"model": "clef-flash", "state": "Look at these.", "images": [uri, uri], "questions": {"urgent": {"type": "noul", "instructions": "Urgent?"}}}
+    with FakeGpu() as gpu:
+        model = clef_flash.load(release, device=gpu.device, precision="bf16")
+        model.keep_from_tokens = 1
+        model.answer(request)
+        model.answer({**request, "questions": {"other": {"type": "noul", "instructions": "Other?"}}})
+        assert model.last_timings.tokens_reused > 0
+    assert gpu.readbacks == 2

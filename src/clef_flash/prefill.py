@@ -166,7 +166,8 @@ def media_inputs(
         positions[:, row, :count] = item.positions[:, start : start + count]
         after = int(item.positions[:, start + count - 1].max()) + 1  # padding: any position past the real ones
         positions[:, row, count:] = torch.arange(after, after + L - count)
-        inside = (item.pad_positions >= start) & (item.pad_positions < start + count)
-        if inside.any():
-            embeds[row, item.pad_positions[inside] - start] = item.features[inside.to(item.features.device)].to(embeds.dtype)
+        inside = ((item.pad_positions >= start) & (item.pad_positions < start + count)).nonzero().squeeze(1)  # [n] (host)
+        if inside.numel():  # which features and where: picked on the host, the indices sent up (no mask on the device)
+            where = (item.pad_positions[inside] - start).to(embeds.device)
+            embeds[row, where] = item.features.index_select(0, inside.to(item.features.device)).to(embeds.dtype)
     return {"embeds": embeds, "positions": positions.to(input_ids.device)}
