@@ -239,15 +239,17 @@ def quantize_fp8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.
     return q, scale
 
 
-def fp8_linear(x2d: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def fp8_linear(x2d: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, row_multiple: int | None = None) -> torch.Tensor:
     """x [M, I] -> [M, O] in `out_dtype`: x in e4m3 per token times the e4m3 weight q [O, I] (scale [O]), products
     summed by `torch._scaled_mm` with both row-wise scales. On CUDA its dimensions must be multiples of 16: I and O of
-    the 9B are; M is padded with zero rows (rows are independent: the answers are the same) where the decoder's
-    buckets do not already make it one. The CPU takes any shape (slow: for measurement)."""
+    the 9B are; M is padded with zero rows to `row_multiple` (default: 16 on CUDA, 1 elsewhere; rows are independent,
+    so the answers are the same) where the decoder's buckets do not already make it one. The CPU takes any shape
+    (slow: for measurement)."""
     rows = x2d.shape[0]
+    row_multiple = row_multiple or (FP8_ROWS if x2d.device.type == "cuda" else 1)
     xq, x_scale = quantize_fp8(x2d)  # [M, I] e4m3, [M, 1]
-    if xq.device.type == "cuda" and rows % FP8_ROWS:
-        padding = -rows % FP8_ROWS
+    if rows % row_multiple:
+        padding = -rows % row_multiple
         xq = torch.cat([xq, xq.new_zeros(padding, xq.shape[1])])  # [M', I]
         x_scale = torch.cat([x_scale, x_scale.new_ones(padding, 1)])  # [M', 1]
     out = torch._scaled_mm(xq, q.t(), scale_a=x_scale, scale_b=scale[None, :], out_dtype=out_dtype)  # [M', O]
