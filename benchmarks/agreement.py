@@ -1,6 +1,7 @@
 """Agreement with the fp32 reference: our paths beside the reference's own bf16 path, same requests.
 
     python benchmarks/agreement.py [--configs 9b-heads,9b-heads-outliers] [--seeds 1,2] [--requests 30] [--json OUT]
+    python benchmarks/agreement.py --gpu-rows [...]   the GPU path's rows, measured on this CPU (`gpu_paths`)
 
 For each random release (the plain one, and one with three hidden channels 50x the rest at every
 projection's input): the reference (transformers + the authors' head) in fp32 is the truth; every other
@@ -9,8 +10,8 @@ each flip), median and max |dp|, and whether the path is *qualified*: no more de
 the reference's own bf16, median |dp| at most 1.5x its (issue 40's target).
 
 Paths: our bf16; the int8 scheme (checkpoint/quant.py: smoothed and rotated, no calibration) from the release in
-weight-only and in W8A8 with 7-bit weights (FBGEMM's, the kernel of AVX2-only CPUs) and with 8-bit ones (oneDNN's and
-_int_mm's), both through the exact reference twin, the converted bundle in W8A8 on this CPU's kernel, and each
+weight-only and in W8A8 with 7-bit activations (FBGEMM's, the kernel of AVX2-only CPUs: one digit where a norm is read,
+two elsewhere) and with 8-bit ones (oneDNN's and _int_mm's), both through the exact reference twin, the converted bundle in W8A8 on this CPU's kernel, and each
 release's and bundle's default (`precision=None`) on this machine. The kernels are exact, so the figures hold on
 every CPU. `--seeds 1,2` runs each config per seed; the summary says which paths meet the target in every run.
 """
@@ -26,12 +27,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+import contextlib  # noqa: E402
+import dataclasses  # noqa: E402
+
 import torch  # noqa: E402
 from conftest import ReferenceModel, load_reference_module  # noqa: E402
 
 import clef_flash  # noqa: E402
 import clef_flash.plan  # noqa: E402
+from clef_flash.checkpoint import loading, quant  # noqa: E402
+from clef_flash.checkpoint.rotation import rotate  # noqa: E402
 from clef_flash.checkpoint.w8a8 import FBGEMM, W8A8_KERNELS, reference_kernel  # noqa: E402
+from clef_flash.model.precision import Precision  # noqa: E402
 from clef_flash.checkpoint.random_release import write_random_release  # noqa: E402
 from clef_flash.conversion import convert  # noqa: E402
 from clef_flash.request.samples import random_requests  # noqa: E402
@@ -45,11 +52,11 @@ MEDIAN_DP_LIMIT = 1.5  # x the reference bf16's median |dp|: qualified at most t
 REFERENCE = "reference bf16"
 
 
-def load_on_kernel(source: Path, weight_levels: int):
-    """`source` in W8A8 with its weights at `weight_levels` (63: FBGEMM's 7 bits; 127: 8 bits), through the exact
-    reference twin (the integer sums any exact kernel computes), whatever this CPU's probe prefers."""
-    name = f"reference-{weight_levels}"
-    W8A8_KERNELS[name] = reference_kernel(name, 127, weight_levels)
+def load_on_kernel(source: Path, levels: int):
+    """`source` in W8A8 with its activations at `levels` (63: FBGEMM's 7 bits, in mixed digits; 127: 8 bits), through
+    the exact reference twin (the integer sums any exact kernel computes), whatever this CPU's probe prefers."""
+    name = f"reference-{levels}"
+    W8A8_KERNELS[name] = reference_kernel(name, levels)
     chosen = clef_flash.plan.w8a8_kernel
     clef_flash.plan.w8a8_kernel = lambda measured: name
     try:
@@ -66,11 +73,63 @@ def paths(root: Path, bundle: Path, module) -> dict:
         REFERENCE: ReferenceModel(module, root, torch.bfloat16).logits,
         "ours bf16": load(root, "bf16").logits,
         "int8 weight-only (release)": load(root, "int8-weight-only").logits,
-        "int8 w8a8, a8w7 (FBGEMM: AVX2-only CPUs)": load_on_kernel(root, W8A8_KERNELS[FBGEMM].weight_levels).logits,
+        "int8 w8a8, a7w8 (FBGEMM: AVX2-only CPUs)": load_on_kernel(root, W8A8_KERNELS[FBGEMM].levels).logits,
         "int8 w8a8, a8w8 (oneDNN, _int_mm)": load_on_kernel(root, 127).logits,
         "int8 w8a8 (bundle, this CPU's kernel)": load(bundle, "int8-w8a8").logits,
         f"default of the release: {release_default.precision}": release_default.logits,
         f"default of the bundle: {bundle_default.precision}": bundle_default.logits,
+    }
+
+
+@contextlib.contextmanager
+def gpu_numerics():
+    """The 8-bit precisions compute in bf16 on this CPU, as on CUDA (`Precision.on`): the decoder's activations,
+    norms' outputs and the 16-bit weights in bf16, each product's output rounded to bf16."""
+    on = Precision.on
+    Precision.on = lambda self, device: dataclasses.replace(self, compute_dtype=torch.bfloat16) if self.quantized else self
+    try:
+        yield
+    finally:
+        Precision.on = on
+
+
+class RotatedFp8Linear(quant.Int8Linear):
+    """fp8 in the int8 scheme's frame: the weight `(W diag(s)) R` in e4m3 per channel, the input `(x / s) R` in e4m3 per
+    token (measured beside plain row-wise fp8, the precision's way)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.shaped(quant.fp8_linear(self.inputs(x), self.weight, self.weight_scale, x.dtype), x)
+
+
+class RotatedFp8Source(quant.Fp8QuantizingSource):
+    smoothed = True
+
+    def quantize(self, weight_name: str, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return quant.quantize_fp8_per_channel(rotate(weight, column_scale=self.input_smoothing(weight_name)))
+
+
+def load_rotated_fp8(source: Path):
+    """`source` in fp8 (GPU numerics) with the scheme's smoothing and rotation (`RotatedFp8Linear`)."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(gpu_numerics())
+        for module, name, value in ((quant, "Fp8Linear", RotatedFp8Linear), (loading, "Fp8QuantizingSource", RotatedFp8Source)):
+            stack.callback(setattr, module, name, getattr(module, name))
+            setattr(module, name, value)
+        return clef_flash.load(source, device="cpu", precision="fp8")
+
+
+def gpu_paths(root: Path, bundle: Path, module) -> dict:
+    """The GPU path's rows on this CPU, with the GPU's numerics: compute in bf16 (`gpu_numerics`); int8 W8A8 on
+    _int_mm's integers (8-bit activations, exact int32 sums: the reference twin's are the same), the fp32 parts
+    around it as the CUDA kernel has them; fp8 row-wise through torch._scaled_mm (on CPU here), bf16 out."""
+    with gpu_numerics():
+        int8, fp8 = load_on_kernel(root, 127), clef_flash.load(root, device="cpu", precision="fp8")
+    return {
+        REFERENCE: ReferenceModel(module, root, torch.bfloat16).logits,
+        "ours bf16": clef_flash.load(root, device="cpu", precision="bf16").logits,
+        "int8 w8a8 (_int_mm's integers), bf16": int8.logits,
+        "fp8 row-wise e4m3 (_scaled_mm), bf16": fp8.logits,
+        "fp8 smoothed+rotated e4m3, bf16": load_rotated_fp8(root).logits,
     }
 
 
@@ -182,7 +241,9 @@ def run(candidates_of, description: str) -> None:
     parser.add_argument("--seeds", default="1,2")
     parser.add_argument("--requests", type=int, default=30)
     parser.add_argument("--json", help="also write the figures to this file")
+    parser.add_argument("--gpu-rows", action="store_true", help="the GPU path's rows with its numerics (`gpu_paths`)")
     args = parser.parse_args()
+    candidates_of = gpu_paths if args.gpu_rows else candidates_of
     module = load_reference_module()
     results = []
     for seed in args.seeds.split(","):

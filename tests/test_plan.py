@@ -10,7 +10,7 @@ import pytest
 import clef_flash
 from clef_flash import machine, plan
 from clef_flash.checkpoint import open_checkpoint
-from clef_flash.checkpoint.w8a8 import INT_MM, ONEDNN
+from clef_flash.checkpoint.w8a8 import INT_MM, ONEDNN, W8A8_KERNELS
 from clef_flash.loader import plan_of
 from cpu_families import imagine
 
@@ -73,3 +73,66 @@ def test_an_emulated_probe_never_reads_the_native_one(monkeypatch):
         assert f"{name}={value}" in emulated.isa_limits and emulated.key not in keys
         keys.add(emulated.key)
     assert machine.probe_path(emulated) != machine.probe_path(native)
+
+
+# -- the plan on CUDA, decided on a CPU-only machine: the device is handed in (machine.cuda_gpu's place) ---------------
+
+CUDA = plan.torch.device("cuda")
+H100 = machine.Gpu("NVIDIA H100 80GB HBM3", (9, 0))
+V100 = machine.Gpu("Tesla V100-SXM2-16GB", (7, 0))
+
+
+def no_probe():
+    pytest.fail("no CPU probe on CUDA")
+
+
+def cuda_plan(checkpoint, gpu, requested=None):
+    return plan.resolve(checkpoint, CUDA, requested, rates=no_probe, available_memory=no_probe, gpu=lambda device: gpu)
+
+
+@pytest.mark.parametrize("stored_int8", [False, True], ids=["release", "bundle"])
+def test_cuda_with_int8_tensor_cores_runs_w8a8_on_int_mm(tiny_dir, monkeypatch, stored_int8):
+    monkeypatch.delenv("CLEF_FLASH_PRECISION", raising=False)
+    checkpoint = dataclasses.replace(open_checkpoint(tiny_dir), stored_int8=stored_int8)
+    resolved = cuda_plan(checkpoint, H100)
+    print(f"\n{'bundle' if stored_int8 else 'release'} on {H100.name}: {resolved.name} ({resolved.reason})")
+    assert (resolved.name, resolved.kernel, resolved.activation_bits) == ("int8-w8a8", INT_MM, 8)
+    assert resolved.compute_dtype == plan.torch.bfloat16
+    assert "int8 tensor cores (torch._int_mm)" in resolved.reason and "sm_90" in resolved.reason and H100.name in resolved.reason
+    assert ("quantized while loading" in resolved.reason) == (not stored_int8)
+    assert W8A8_KERNELS[resolved.kernel].activation_bits == resolved.activation_bits  # the policy's names are w8a8.py's
+
+
+@pytest.mark.parametrize(("stored_int8", "expected"), [(False, "bf16"), (True, "int8-weight-only")], ids=["release", "bundle"])
+def test_cuda_without_int8_tensor_cores_runs_bf16_or_the_bundles_weight_only(tiny_dir, monkeypatch, stored_int8, expected):
+    monkeypatch.delenv("CLEF_FLASH_PRECISION", raising=False)
+    checkpoint = dataclasses.replace(open_checkpoint(tiny_dir), stored_int8=stored_int8)
+    for gpu in (V100, None):  # sm_70, and a device whose capability is unknown
+        resolved = cuda_plan(checkpoint, gpu)
+        print(f"\n{gpu}: {resolved.name} ({resolved.reason})")
+        assert resolved.name == expected and resolved.kernel is None and resolved.compute_dtype == plan.torch.bfloat16
+        assert ("no int8 tensor cores" in resolved.reason) and (gpu is None or "sm_70" in resolved.reason)
+
+
+def test_fp8_is_asked_for_on_cuda_and_cpu_and_refused_for_a_bundle(tiny_dir):
+    release = open_checkpoint(tiny_dir)
+    for device in (CUDA, plan.torch.device("cpu")):
+        resolved = plan.resolve(release, device, "fp8", rates=machine.rates, available_memory=lambda: None, gpu=lambda device: H100)
+        expected_dtype = plan.torch.bfloat16 if device.type == "cuda" else plan.torch.float32
+        assert (resolved.name, resolved.int8_mode, resolved.kernel, resolved.compute_dtype) == ("fp8", "fp8", None, expected_dtype)
+    bundle = dataclasses.replace(release, stored_int8=True)
+    with pytest.raises(clef_flash.ClefError, match=r"8-bit bundle \(stored int8\): it cannot run in fp8; load the release") as refused:
+        plan.resolve(bundle, CUDA, "fp8", rates=no_probe, available_memory=no_probe, gpu=lambda device: H100)
+    print(f"\n{refused.value}")
+    assert "\n" not in str(refused.value)
+
+
+def test_a_release_loads_and_answers_in_fp8_on_the_cpu(tiny_dir):
+    request = {"state": "Charged twice", "questions": {"refund": {"type": "noul"}}}
+    fp32 = clef_flash.load(tiny_dir, device="cpu", precision="fp32").answer(request)["answers"]["refund"]["noul"]
+    model = clef_flash.load(tiny_dir, device="cpu", precision="fp8")
+    linears = [m for m in model.parts.decoder.modules() if type(m).__name__ == "Fp8Linear"]
+    assert linears and all(linear.weight.dtype == plan.torch.float8_e4m3fn for linear in linears)
+    fp8 = model.answer(request)["answers"]["refund"]["noul"]
+    print(f"\nfp8 {fp8} vs fp32 {fp32}")
+    assert abs(fp8 - fp32) < 0.02

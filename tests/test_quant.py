@@ -10,12 +10,14 @@ from torch import nn
 from clef_flash import machine
 from clef_flash.checkpoint import quant
 from clef_flash.checkpoint.quant import (
+    Fp8Linear,
     Int8Linear,
     QuantizingSource,
     W8A8Linear,
     WeightOnlyLinear,
     dequantize,
     pack_int8,
+    quantize_fp8_per_channel,
     quantize_per_channel,
     quantize_weight,
     replace_linears,
@@ -270,3 +272,38 @@ def test_projections_that_read_one_input_rotate_it_once(monkeypatch):
     assert len(calls) == 2
     other(x)
     assert len(calls) == 3
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (3, 5, 64), (63, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_linear_equals_its_float64_emulation(shape, dtype):
+    """The same rounding (each row scaled to absmax 448 and cast to e4m3), then exact products and sums in float64:
+    torch._scaled_mm differs only by its own accumulation and the output's rounding."""
+    torch.manual_seed(3)
+    weight = torch.randn(48, 64) * torch.logspace(-2, 1, 48)[:, None]
+    weight[7] = 0.0  # an all-zero channel must not divide by zero
+    x = torch.randn(shape).to(dtype)
+    linear = Fp8Linear(64, 48)
+    q, scale = quantize_fp8_per_channel(weight)
+    linear.load_state_dict({"weight": q, "weight_scale": scale})
+    x2d = x.reshape(-1, 64).double()
+    x_scale = x2d.abs().amax(dim=1, keepdim=True) / 448  # [M, 1]
+    w_scale = weight.double().abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / 448  # [O, 1]
+    x8 = (x2d / x_scale).to(torch.float8_e4m3fn).double() * x_scale  # the e4m3 values, exact in float64
+    w8 = (weight.double() / w_scale).to(torch.float8_e4m3fn).double() * w_scale
+    expected = (x8 @ w8.t()).view(*shape[:-1], 48)
+    got = linear(x)
+    error = ((got.double() - expected).abs().max() / expected.abs().max()).item()
+    plain = ((x.double() @ weight.double().t()) - expected).abs().max() / expected.abs().max()
+    print(f"\nfp8 {tuple(shape)} {dtype}: max |d| / max |y| {error:.2e} (fp8 itself from the exact product: {plain:.2e})")
+    assert got.dtype == dtype and got.shape == (*shape[:-1], 48) and int(torch.count_nonzero(got[..., 7])) == 0
+    assert error < (1e-6 if dtype == torch.float32 else 1e-2)
+    assert torch.equal(q.float().abs().amax(dim=1)[[0, 47]], torch.tensor([448.0, 448.0]))  # each row reaches 448
+
+
+def test_fp8_linear_pads_rows_as_cuda_needs_without_changing_them():
+    """On CUDA torch._scaled_mm wants M a multiple of 16: zero rows are added and dropped; the rows are the same."""
+    torch.manual_seed(4)
+    q, scale = quantize_fp8_per_channel(torch.randn(48, 64))
+    x = torch.randn(17, 64)
+    assert torch.equal(quant.fp8_linear(x, q, scale, torch.float32, row_multiple=16), quant.fp8_linear(x, q, scale, torch.float32))

@@ -22,7 +22,7 @@ from .coreml.host import Runner
 from .clef import Clef, Encoder
 from .engine import DEFAULT_BATCH_TOKENS, KEEP_FROM_TOKENS, Engine
 from .errors import ClefError
-from .machine import available_memory_bytes
+from .machine import available_memory_bytes, cuda_gpu
 from .machine import rates as machine_rates
 from .plan import COREML, Plan, coreml_plan, resolve
 from .prefill import DEFAULT_SEGMENT_TOKENS
@@ -61,7 +61,13 @@ def plan_of(
     if coreml_runner is not None:
         raise ClefError(f"{checkpoint.where} is not a Core ML export: --coreml-runner applies to exports only")
     return resolve(
-        checkpoint, pick_device(device), precision, rates=machine_rates, available_memory=available_memory_bytes, fit_memory=fit_memory
+        checkpoint,
+        pick_device(device),
+        precision,
+        rates=machine_rates,
+        available_memory=available_memory_bytes,
+        fit_memory=fit_memory,
+        gpu=cuda_gpu,
     )
 
 

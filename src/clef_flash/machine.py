@@ -254,6 +254,22 @@ def report(reprobe: bool = False) -> dict:
     }
 
 
+@dataclass(frozen=True)
+class Gpu:
+    """A CUDA device: what the default on CUDA reads (model/precision.py `choose_on_gpu`)."""
+
+    name: str
+    capability: tuple[int, int]  # (major, minor): (9, 0) is sm_90
+
+
+def cuda_gpu(device: torch.device) -> Gpu | None:
+    """The one place a CUDA device's name and compute capability are read (tests hand `resolve` their own);
+    None: not a CUDA device, or none here."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return Gpu(torch.cuda.get_device_name(device), tuple(torch.cuda.get_device_capability(device)))
+
+
 def peak_rss_mb() -> float:
     """This process's peak resident memory so far, in MiB."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

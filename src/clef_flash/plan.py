@@ -1,6 +1,6 @@
 """The plan: how a checkpoint runs on a machine, decided once and carried as one thing by everything after.
 
-    resolve(checkpoint, device, requested, rates=..., available_memory=...)  what `load` runs (loader.py)
+    resolve(checkpoint, device, requested, rates=..., available_memory=..., gpu=...)  what `load` runs (loader.py)
     coreml_plan(runner)       a Core ML export: as exported
     shapes_plan()             building a bundle's modules from names and shapes alone (checkpoint/bundle.py)
     export_plan(stored_int8)  filling the Core ML export twins (coreml/modules.py)
@@ -8,7 +8,7 @@
 
 A `Plan` is the precision (name, compute dtype, int8 mode: model/precision.py), the W8A8 kernel (from the
 machine's probe), the device, the backend, and the reason. Nothing else constructs one (tests/test_architecture.py).
-The probe's figures are handed in (`rates`, `available_memory`: machine.py, read by loader.py), so that this module
+The probe's figures are handed in (`rates`, `available_memory`, `gpu`: machine.py, read by loader.py), so that this module
 sits below everything that takes a plan (checkpoint/ builds modules with it) and imports only the precision policy.
 `build_model`, conversion, Ray's engine spec, the Core ML export and the state cache's key take the plan; `Plan.key`
 is the whole of it, what Ray's workers compare with the driver's. A new precision is a row of
@@ -28,6 +28,9 @@ import torch
 from .errors import ClefError
 from .model.precision import (
     BYTES_PER_PARAMETER,
+    CUDA_W8A8_BITS,
+    CUDA_W8A8_KERNEL,
+    Gpu,
     TooBig,
     WeightCounts,
     COREML_PRECISION,
@@ -54,9 +57,9 @@ class Plan:
 
     precision: Precision
     device: torch.device
-    kernel: str | None = None  # the W8A8 kernel (checkpoint/w8a8.py); None unless W8A8 on a CPU
+    kernel: str | None = None  # the W8A8 kernel (checkpoint/w8a8.py): the probe's on a CPU, int_mm on CUDA; None unless W8A8
     backend: str = TORCH
-    activation_bits: int | None = None  # W8A8's activations on its kernel: 8, or 7 (FBGEMM); None unless W8A8 on a CPU
+    activation_bits: int | None = None  # W8A8's activations on its kernel: 8, or 7 (FBGEMM); None unless W8A8
     # Streamed (the default when no precision fits memory whole): at most this many decoder layers hold weights at once,
     # each filled from the memory-mapped files as it runs (`load(resident_layers=)`). None: all resident. Not in `key`:
     # streaming changes where the weights wait, not what is computed.
@@ -149,9 +152,11 @@ def resolve(
     rates: Callable[[], Rates],
     available_memory: Callable[[], int | None],
     fit_memory: bool = False,
+    gpu: Callable[[torch.device], Gpu | None] | None = None,
 ) -> Plan:
     """The plan `checkpoint` runs in on `device`: `requested`, else $CLEF_FLASH_PRECISION, else the fastest qualified
-    path on this machine (`rates`: the machine's probe; `available_memory`: its free bytes, weighed only then); when
+    path on this machine (`rates`: the machine's probe; `available_memory`: its free bytes, weighed only then; `gpu`: a
+    CUDA device's name and compute capability, machine.py `cuda_gpu`: int8 tensor cores or not); when
     none fits that memory whole, 8-bit with streamed layers (`Plan.resident_layers`). `fit_memory`: `requested` was
     chosen elsewhere (a Ray driver's default): weighed against this machine's memory too, streamed if it does not fit
     whole (streaming is not in `Plan.key`: the answers are the same)."""
@@ -162,7 +167,7 @@ def resolve(
     try:
         try:
             precision = resolve_precision(
-                requested, device, stored_int8=checkpoint.stored_int8, rates=rates, weights=weights, memory_bytes=memory
+                requested, device, stored_int8=checkpoint.stored_int8, rates=rates, weights=weights, memory_bytes=memory, gpu=gpu
             )
             whole = weights.bytes_in(precision.name) if weights and requested is not None else 0
             if memory and whole > MEMORY_SHARE * memory:  # given (fit_memory): streamed in it, if one layer at a time fits
@@ -174,7 +179,11 @@ def resolve(
             precision, resident = streamed(checkpoint, weights, rates(), memory, exc)
     except ValueError as exc:
         raise ClefError(f"{checkpoint.where} {exc}" if checkpoint.stored_int8 else str(exc)) from None
-    if precision.int8_mode != W8A8 or device.type != "cpu":
+    if precision.int8_mode != W8A8:
+        return Plan(precision, device, resident_layers=resident)
+    if device.type == "cuda":  # int8 tensor cores through cuBLASLt: exact int32 sums, no probe
+        return Plan(precision, device, kernel=CUDA_W8A8_KERNEL, activation_bits=CUDA_W8A8_BITS, resident_layers=resident)
+    if device.type != "cpu":
         return Plan(precision, device, resident_layers=resident)
     measured = rates()
     try:

@@ -21,7 +21,7 @@ from torch.overrides import TorchFunctionMode
 from ..errors import ModelSourceError
 from ..errors import WeightsError
 from .names import DECODER_PREFIX, IGNORED_PREFIXES, LM_HEAD, VISION_PREFIX
-from .quant import QuantizingSource, pack_int8, replace_linears, unpack_int8
+from .quant import Fp8QuantizingSource, QuantizingSource, pack_int8, replace_linears, unpack_int8
 from .safetensors_io import TensorSource, release_pages
 from .w8a8 import INT_MM
 
@@ -185,7 +185,7 @@ def build_model(checkpoint: Checkpoint, plan: Plan, *, resident_layers: int | No
 
     With an int8 precision the decoder's projections are `Int8Linear`s, filled from a source that holds
     int8 weights and their scales (a bundle), or from the checkpoint quantized tensor by tensor while
-    loading (`QuantizingSource`). `resident_layers` (low-memory mode): at most that many decoder layers
+    loading (`QuantizingSource`); with fp8 `Fp8Linear`s, from a release quantized while loading. `resident_layers` (low-memory mode): at most that many decoder layers
     hold their weights at once, each filled from the (memory-mapped) source just before it runs.
     The `plan` (plan.py) says everything else: the precision, the W8A8 kernel, the device. Whatever a forward
     needs is made here (the int8 weights packed for their kernel), so the first answer takes a warm one's time.
@@ -206,7 +206,7 @@ def build_model(checkpoint: Checkpoint, plan: Plan, *, resident_layers: int | No
         )
     tensors = checkpoint.tensors
     if precision.quantized and not checkpoint.stored_int8:
-        tensors = QuantizingSource(tensors)
+        tensors = QuantizingSource(tensors) if precision.int8 else Fp8QuantizingSource(tensors)
 
     with meta_modules():
         decoder = Qwen35Decoder(text_config)

@@ -9,10 +9,12 @@ numerical floor of the formulas (norms, RoPE and the delta rule in at least fp32
     fp32 / bf16 / fp64 that dtype           that dtype                   that dtype, A_log / dt_bias in >= fp32
     int8-weight-only   fp32 (CPU), bf16 (CUDA)  int8 + fp32 scale / channel  as above; embeddings as stored
     int8-w8a8          fp32 (CPU), bf16 (CUDA)  int8, activations int8 per token (7 bits on FBGEMM)
+    fp8 (opt-in)       fp32 (CPU), bf16 (CUDA)  e4m3 + fp32 scale / channel, activations e4m3 per token
 
 Both int8 modes hold one scheme (checkpoint/quant.py): each projection's input divided by its norm's scale
 (`smoothing_of`) and rotated by a fixed randomized Hadamard transform (checkpoint/rotation.py), the weight
-likewise, so that no few channels set a token's int8 scale.
+likewise, so that no few channels set a token's int8 scale. `fp8` is plain row-wise e4m3 (what GPU servers ship,
+torch._scaled_mm), never a default: measured, it flips more decisions than the int8 scheme (README "Numbers").
 
 Always: the joint head in fp32 (it is small and decides the answer), the output-embedding rows it reads
 as stored (gathered, never converted whole), the kept projections (`KEPT_HIGH_PRECISION`) never int8, and
@@ -31,12 +33,14 @@ from typing import Protocol
 import torch
 
 FP64, FP32, BF16, FP16, INT8 = torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int8
+FP8 = torch.float8_e4m3fn  # the fp8 precision's weights and activations (max 448)
 
 # -- what is int8, and what never is -----------------------------------------------------------------
 
 WEIGHT_ONLY, W8A8 = "weight-only", "w8a8"  # int8 weights dequantized to the compute dtype; int8 activations too
 INT8_MODES = (WEIGHT_ONLY, W8A8)
 DEFAULT_INT8_MODE = WEIGHT_ONLY
+FP8_MODE = "fp8"  # the 8-bit mode of the fp8 precision: e4m3 weights per channel, e4m3 activations per token
 SCALE_SUFFIX = "_scale"  # `x.weight` (int8) is stored beside `x.weight_scale` (fp32 [out])
 SCALE_DTYPE = FP32
 # The DeltaNet gate projections are tiny (hidden -> value heads) and feed a sigmoid and a softplus
@@ -132,17 +136,22 @@ class Precision:
 
     name: str
     compute_dtype: torch.dtype  # activations and 16/32-bit weights
-    int8_mode: str | None = None  # None: no int8 weights
+    int8_mode: str | None = None  # the 8-bit mode (INT8_MODES, or FP8_MODE); None: no 8-bit weights
     reason: str = "asked for"
 
     @property
     def quantized(self) -> bool:
         return self.int8_mode is not None
 
+    @property
+    def int8(self) -> bool:
+        """The int8 scheme (what an 8-bit bundle stores), as opposed to fp8."""
+        return self.int8_mode in INT8_MODES
+
     def dtype_of(self, name: str, stored: torch.dtype) -> torch.dtype:
         """The dtype a decoder tensor (name relative to the decoder) is held in, given how it is stored."""
         leaf = name.rsplit(".", 1)[-1]
-        if stored == INT8:
+        if stored in (INT8, FP8):
             return stored
         if is_scale(leaf) or leaf == SMOOTHING_SUFFIX:
             return SCALE_DTYPE
@@ -166,7 +175,7 @@ class Precision:
         return stored if self.quantized else self.compute_dtype
 
     def on(self, device: torch.device) -> Precision:
-        """The same precision for a device: int8 computes in fp32 on CPU and in bf16 on CUDA."""
+        """The same precision for a device: int8 and fp8 compute in fp32 on CPU and in bf16 on CUDA."""
         if not self.quantized:
             return self
         return dataclasses.replace(self, compute_dtype=BF16 if device.type == "cuda" else FP32)
@@ -193,6 +202,7 @@ PRECISIONS: dict[str, Precision] = {
     "bf16": Precision("bf16", BF16),
     "fp64": Precision("fp64", FP64),
     **{f"int8-{mode}": Precision(f"int8-{mode}", FP32, mode) for mode in INT8_MODES},
+    "fp8": Precision("fp8", FP32, FP8_MODE),  # opt-in, never QUALIFIED: row-wise e4m3 (checkpoint/quant.py Fp8Linear)
 }
 ALIASES = {"int8": f"int8-{DEFAULT_INT8_MODE}"}
 # The Core ML packages run as exported: 8-bit weights, fp16 compute (not a choice: never in PRECISION_CHOICES).
@@ -239,9 +249,22 @@ class Rates(Protocol):
     excluded: dict[str, str]
 
 
+class Gpu(Protocol):
+    """A CUDA device as the default reads it (machine.Gpu)."""
+
+    name: str
+    capability: tuple[int, int]  # (major, minor): 9.0 is sm_90
+
+
+# int8 tensor cores through cuBLASLt (torch._int_mm): compute capability 8.0 (Ampere) and newer. Turing (7.5) has int8
+# tensor cores too, but _int_mm there is unproven: not assumed.
+INT8_TENSOR_CORES = (8, 0)
+CUDA_W8A8_KERNEL, CUDA_W8A8_BITS = "int_mm", 8  # checkpoint/w8a8.py's INT_MM: 8-bit activations, exact int32 sums
+
+
 # Bytes a decoder projection's parameter takes in memory, by precision (int8: the weight and its scales). What the
 # default checks against the machine's memory, with `WeightCounts` for the rest of the model.
-BYTES_PER_PARAMETER = {"fp64": 8.0, "fp32": 4.0, "bf16": 2.0, "int8-weight-only": 1.0, "int8-w8a8": 1.0}
+BYTES_PER_PARAMETER = {"fp64": 8.0, "fp32": 4.0, "bf16": 2.0, "int8-weight-only": 1.0, "int8-w8a8": 1.0, "fp8": 1.0}
 MEMORY_SHARE = 0.8  # of the memory available when loading, what the model's weights may take
 RELEASED_BYTES = 2  # a release's 16-bit tensors: the vision tower stays so under int8
 
@@ -296,6 +319,24 @@ def qualified(*, stored_int8: bool) -> tuple[str, ...]:
     return tuple(name for name in QUALIFIED if PRECISIONS[name].quantized or not stored_int8)
 
 
+def choose_on_gpu(device: torch.device, found: Gpu | None, *, stored_int8: bool) -> Precision:
+    """On CUDA: int8-w8a8 on int8 tensor cores (`INT8_TENSOR_CORES`), which keeps the scheme's agreement (exact int32
+    sums, as on a CPU); without them bf16, or an 8-bit bundle's weight-only. `found`: the device (None: unknown)."""
+    cores = found is not None and tuple(found.capability) >= INT8_TENSOR_CORES
+    name = "int8-w8a8" if cores else "int8-weight-only" if stored_int8 else "bf16"
+    if found is None:
+        return PRECISIONS[name].with_reason(f"on {device.type}: {name}; its compute capability unknown, no int8 tensor cores assumed")
+    where = f"on {device.type} ({found.name}, sm_{found.capability[0]}{found.capability[1]})"
+    floor = f"sm_{INT8_TENSOR_CORES[0]}{INT8_TENSOR_CORES[1]}"
+    if cores:
+        reason = f"{where}: int8-w8a8 on int8 tensor cores (torch._int_mm), the scheme's agreement; "
+        reason += "int8-weight-only without them" if stored_int8 else "bf16 without them"
+        if not stored_int8:
+            reason += "; quantized while loading (`clef-flash convert` writes it once, to load in seconds)"
+        return PRECISIONS[name].with_reason(reason)
+    return PRECISIONS[name].with_reason(f"{where}: {name}; no int8 tensor cores for torch._int_mm (taken from {floor} on)")
+
+
 def choose_precision(
     device: torch.device,
     *,
@@ -303,14 +344,14 @@ def choose_precision(
     rates: Callable[[], Rates],
     weights: WeightCounts | None = None,
     memory_bytes: int | None = None,
+    gpu: Callable[[torch.device], Gpu | None] | None = None,
 ) -> Precision:
-    """The fastest qualified precision that fits: on CUDA bf16 (or an 8-bit bundle's weight-only); on a CPU
-    by the probe, among those whose `weights` (held as `WeightCounts.bytes_in` says) fit in MEMORY_SHARE of
-    `memory_bytes` (None: no bound). Nothing fitting is `TooBig`, one line with the sizes."""
+    """The fastest qualified precision that fits: on CUDA by the device (`choose_on_gpu`; `gpu` reads it, machine.py
+    `cuda_gpu`); on a CPU by the probe, among those whose `weights` (held as `WeightCounts.bytes_in` says) fit in
+    MEMORY_SHARE of `memory_bytes` (None: no bound). Nothing fitting is `TooBig`, one line with the sizes."""
     candidates = qualified(stored_int8=stored_int8)
     if device.type != "cpu":
-        name = "bf16" if not stored_int8 else "int8-weight-only"
-        return PRECISIONS[name].with_reason(f"on {device.type}: {name} until an 8-bit path qualifies there")
+        return choose_on_gpu(device, gpu(device) if gpu else None, stored_int8=stored_int8)
     measured = rates()
     if measured.int8_kernel is None or measured.int8 <= 0:
         candidates = tuple(name for name in candidates if name != "int8-w8a8")
@@ -352,6 +393,7 @@ def resolve_precision(
     rates: Callable[[], Rates] | None = None,
     weights: WeightCounts | None = None,
     memory_bytes: int | None = None,
+    gpu: Callable[[torch.device], Gpu | None] | None = None,
 ) -> Precision:
     """The precision to run: `requested`, else $CLEF_FLASH_PRECISION, else the fastest qualified one
     (`rates` gives the machine's probe), checked against what the checkpoint stores."""
@@ -361,12 +403,14 @@ def resolve_precision(
         if rates is None:
             raise ValueError("choosing a precision needs the machine's rates")
         precision = choose_precision(
-            device, stored_int8=stored_int8, rates=rates, weights=weights, memory_bytes=memory_bytes
+            device, stored_int8=stored_int8, rates=rates, weights=weights, memory_bytes=memory_bytes, gpu=gpu
         )
     else:
         precision = parse_precision(requested)
+    if stored_int8 and precision.int8_mode == FP8_MODE:
+        raise ValueError("is an 8-bit bundle (stored int8): it cannot run in fp8; load the release it was converted from with precision fp8, or use int8 here")
     if stored_int8 and not precision.quantized:
-        int8_names = [name for name, value in PRECISIONS.items() if value.quantized]
+        int8_names = [name for name, value in PRECISIONS.items() if value.int8]
         raise ValueError(
             f"is an 8-bit bundle: use precision int8 (or {', '.join(int8_names)}); "
             f"for {precision.name}, load the release it was converted from"
