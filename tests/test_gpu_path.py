@@ -62,7 +62,7 @@ def run_everything(model, requests, adapter_name=None):
         model.answer_many([requests[3], {**requests[0], "adapter": adapter_name}])
 
 
-@pytest.mark.parametrize("precision", ["bf16", "int8-w8a8", "fp32"])
+@pytest.mark.parametrize("precision", ["bf16", "int8-w8a8", "fp8", "fp32"])
 def test_the_whole_forward_runs_on_the_device_without_a_host_sync(tiny_dir, adapter_dir, shared_state_requests, precision):
     with FakeGpu() as gpu:
         model = clef_flash.load(tiny_dir, device=gpu.device, precision=precision, adapters={"tuned": adapter_dir})
@@ -171,7 +171,9 @@ def test_padding_to_buckets_changes_no_answer_fp32(tiny_dir, shared_state_reques
             "mixed": shared_state_requests,  # a state kept, then continued beside whole records in one padded step
             "continued": shared_state_requests[:2],  # continued from kept states
         }
-        return {name: [{r.question_id: r.logits for r in per} for per in model._run(requests)[1]] for name, requests in calls.items()}
+        out = {name: [{r.question_id: r.logits for r in per} for per in model._run(requests)[1]] for name, requests in calls.items()}
+        assert model.last_timings.tokens_reused > 0  # the last call continued kept states
+        return out
 
     expected = logits(clef_flash.load(tiny_dir, device="cpu", precision="fp32"))
     monkeypatch.setattr(device_io, "GPU_TYPES", ("cuda", "cpu"))
@@ -189,8 +191,8 @@ def test_padding_to_buckets_changes_no_answer_fp32(tiny_dir, shared_state_reques
                 worst[call] = max(worst[call], error.item())
     figures(f"bucketed and padded vs unpadded, fp32, worst relative logit difference: " + ", ".join(f"{k} {v:.2e}" for k, v in worst.items()))
     assert worst["whole"] <= 1e-6 and worst["continued"] <= 1e-6
-    # A step that mixes continued and whole records: 1.2e-6 measured, rounding (float64: 0, exactly); the unpadded path's
-    # own spread between these records run together and alone is 1.9e-6 (fp32, this test's requests).
+    # A step that mixes continued and whole records: 1.2e-6 measured with a 120-word state (0 with this one), rounding
+    # (float64: 0, exactly); the unpadded path's own spread between those records run together and alone was 1.9e-6.
     assert worst["mixed"] <= 2e-6
 
 
@@ -239,3 +241,17 @@ def test_images_run_on_the_device_without_a_host_sync(vision_release):
         model.answer({**request, "questions": {"other": {"type": "noul", "instructions": "Other?"}}})
         assert model.last_timings.tokens_reused > 0
     assert gpu.readbacks == 2
+
+
+def test_info_names_the_plan_on_cuda(capsys):
+    """`clef-flash info` on a CUDA machine (here the stand-in's H100: sm_90) names the GPU's default and why."""
+    from clef_flash.cli import main
+
+    with FakeGpu():
+        main(["info"])
+    out = capsys.readouterr().out
+    assert "on CUDA      release: int8-w8a8 (on cuda (NVIDIA H100" in out and "int8 tensor cores" in out
+    assert "on CUDA      bundle: int8-w8a8" in out
+    with FakeGpu(capability=(7, 0), name="Tesla V100"):
+        main(["info"])
+    assert "on CUDA      release: bf16 (on cuda (Tesla V100, sm_70): bf16; no int8 tensor cores" in capsys.readouterr().out

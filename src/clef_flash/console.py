@@ -64,6 +64,10 @@ def format_machine(report: dict[str, Any]) -> str:
         *(f"W8A8 kernel  {name}: exact here, {note}" for name, note in report["kernel_notes"].items()),
         *(f"W8A8 kernel  {name}: excluded, {why}" for name, why in probe["int8_excluded"].items()),
         *(f"default      {kind}: {value['precision']} ({value['why']})" for kind, value in report["default_precision"].items()),
+        *(
+            f"on CUDA      {kind}: {value['precision']} ({value['why']}); sequence buckets and CUDA graphs"
+            for kind, value in (report.get("cuda_default_precision") or {}).items()
+        ),
         *(f"adapter      {item['name']}: rank {item['rank']}, {item['projections']} projections, {item['bytes'] / 2**20:.1f} MiB "
           f"({item['path']})" for item in report.get("adapters", [])),
     ]

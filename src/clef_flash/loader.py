@@ -20,7 +20,8 @@ from .checkpoint import Checkpoint, open_checkpoint
 from .checkpoint.adapters import adapter_name_of, adapter_options, named_paths, read_adapters, side_by_side
 from .coreml.host import Runner
 from .clef import Clef, Encoder
-from .engine import DEFAULT_BATCH_TOKENS, KEEP_FROM_TOKENS, Engine
+from . import device_io
+from .engine import DEFAULT_BATCH_TOKENS, GPU_BATCH_TOKENS, KEEP_FROM_TOKENS, Engine
 from .errors import ClefError
 from .machine import available_memory_bytes, cuda_gpu
 from .machine import rates as machine_rates
@@ -105,7 +106,7 @@ def load(
     precision: str | None = None,
     revision: str | None = None,
     max_length: int | None = DEFAULT_MAX_LENGTH,
-    batch_tokens: int = DEFAULT_BATCH_TOKENS,
+    batch_tokens: int | None = None,
     verify: bool = False,
     resident_layers: int | None = None,
     segment_tokens: int | None = DEFAULT_SEGMENT_TOKENS,
@@ -127,6 +128,7 @@ def load(
     while loading). `resident_layers` (low-memory mode): at most that many decoder layers hold weights at
     once, each filled from the memory-mapped files just before it runs (slower: every forward reads every
     layer). `segment_tokens`: the most tokens of a record one decoder step runs (prefill.py; None: 2048).
+    `batch_tokens`: the padded tokens one decoder forward takes (None: 8192 on a CPU, 32768 on a GPU).
     `state_cache_mb`: the bound of the state cache (state_cache.py); None: an eighth of this machine's
     memory, at most 4 GiB; 0: off (records of one call still share their states).
     A Core ML export runs as exported (no `precision`); `coreml_runner`: "coreml" (the default; macOS only)
@@ -172,5 +174,7 @@ def load(
     loaded = getattr(backend, "adapters", None)
     if loaded is not None:  # a merged adapter changes the decoder; the others' states are keyed by name too
         identity += "|" + ",".join(f"{name}={item.fingerprint}" for name, item in loaded.adapters.items()) + f"|merged={loaded.merged}"
+    if batch_tokens is None:  # a forward's padded tokens: more on a GPU, where a bigger forward costs little more
+        batch_tokens = GPU_BATCH_TOKENS if device_io.is_gpu(backend.plan.device) else DEFAULT_BATCH_TOKENS
     engine = Engine(backend, StateCache(int(cache_mb * MEBIBYTE), identity), batch_tokens=batch_tokens, keep_from_tokens=KEEP_FROM_TOKENS)
     return Clef(checkpoint, engine, max_length=max_length)

@@ -31,7 +31,7 @@ from .checkpoint.rotation import rotate
 from .checkpoint.w8a8 import W8A8_KERNELS, exactness_error
 from .checkpoint.vocab import cache_dir
 from .model.precision import BF16, SEVEN_BIT_ONE_DIGIT_SHARE
-from .plan import defaults
+from .plan import defaults, gpu_defaults
 
 PROBE_VERSION = 9  # 2: kernels qualified on exactness first; the rates of every kernel, the excluded ones; 3: fp16_packed; 4: two_digit;
 # 5: W8A8's kernel is the fastest exact one with 8-bit activations before any with 7; 6: the rotated scheme's W8A8
@@ -249,6 +249,7 @@ def report(reprobe: bool = False) -> dict:
         **describe(here, measured),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "default_precision": {kind: {"precision": value.name, "why": value.reason} for kind, value in defaults(measured).items()},
+        "cuda_default_precision": _cuda_defaults(),
         "feature_flags": FEATURE_FLAGS,  # those looked for
         "kernel_notes": {name: kernel_note(name, gops, measured.fp32) for name, gops in measured.kernels.items()},
     }
@@ -268,6 +269,15 @@ def cuda_gpu(device: torch.device) -> Gpu | None:
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
     return Gpu(torch.cuda.get_device_name(device), tuple(torch.cuda.get_device_capability(device)))
+
+
+def _cuda_defaults() -> dict | None:
+    """The plan on this machine's CUDA device (engine/graphs.py captures its steps, buckets.py shapes them); None
+    without one."""
+    found = cuda_gpu(torch.device("cuda"))
+    if found is None:
+        return None
+    return {kind: {"precision": value.name, "why": value.reason} for kind, value in gpu_defaults(found).items()}
 
 
 def peak_rss_mb() -> float:

@@ -5,6 +5,7 @@
     shapes_plan()             building a bundle's modules from names and shapes alone (checkpoint/bundle.py)
     export_plan(stored_int8)  filling the Core ML export twins (coreml/modules.py)
     defaults(rates)           what `resolve` picks on a CPU with those rates, for a release and a bundle (`info`)
+    gpu_defaults(found)       the same on a CUDA device
 
 A `Plan` is the precision (name, compute dtype, int8 mode: model/precision.py), the W8A8 kernel (from the
 machine's probe), the device, the backend, and the reason. Nothing else constructs one (tests/test_architecture.py).
@@ -40,6 +41,7 @@ from .model.precision import (
     W8A8,
     Precision,
     Rates,
+    choose_on_gpu,
     choose_precision,
     resolve_precision,
     w8a8_kernel,
@@ -220,4 +222,10 @@ def defaults(rates: Rates) -> dict[str, Precision]:
     return {kind: choose_precision(cpu, stored_int8=stored, rates=lambda: rates) for kind, stored in (("release", False), ("bundle", True))}
 
 
-__all__ = ["BACKENDS", "COREML", "PRECISION_CHOICES", "TORCH", "Plan", "coreml_plan", "defaults", "export_plan", "resolve", "shapes_plan"]
+def gpu_defaults(found: Gpu | None) -> dict[str, Precision]:
+    """What `resolve` picks on CUDA for a release and for an 8-bit bundle on the GPU `found` (`info`)."""
+    cuda = torch.device("cuda")
+    return {kind: choose_on_gpu(cuda, found, stored_int8=stored) for kind, stored in (("release", False), ("bundle", True))}
+
+
+__all__ = ["BACKENDS", "COREML", "PRECISION_CHOICES", "TORCH", "Plan", "coreml_plan", "defaults", "export_plan", "gpu_defaults", "resolve", "shapes_plan"]

@@ -18,6 +18,9 @@ from ..state_cache import CachedState, StateCache
 from .backend import Backend, QuestionResult, Timings
 
 DEFAULT_BATCH_TOKENS = 8192  # padded tokens per decoder forward
+# On a GPU a forward's cost grows far less than its tokens up to a few tens of thousands (the products fill the
+# tensor cores from there): 64 records of ~512 tokens, the largest batch bucket (buckets.py), run as one forward.
+GPU_BATCH_TOKENS = 32768
 # A prefix + state this long or longer is kept on first sight (when the cache is on): running a record as
 # prefix + state, then the rest, costs a second decoder step, which pays only when the state is long.
 # Shorter ones are kept only when records of one call share them. Measured in README's table (issue 14).

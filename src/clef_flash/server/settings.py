@@ -55,7 +55,7 @@ class ServerSettings:
         DEFAULT_MAX_VIDEO_BODY_BYTES,
         "the body limit for a request with videos (default 34 MiB: 16 MiB of videos as base64, images and text)",
     )
-    batch_tokens: int | None = setting(None, "padded tokens per batch (default: the model's, 8192)", mcp=True)  # None: the model's
+    batch_tokens: int | None = setting(None, "padded tokens per batch (default: the model's, 8192 on a CPU, 32768 on a GPU)", mcp=True)  # None: the model's
     batch_wait_ms: float = setting(
         5.0,
         "how long a request waits for others to batch with (default 5)",
