@@ -23,6 +23,7 @@ import json
 import statistics
 import sys
 import tempfile
+from unittest import mock
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -118,6 +119,17 @@ def load_rotated_fp8(source: Path):
         return clef_flash.load(source, device="cpu", precision="fp8")
 
 
+def rotation_in_fp32(logits):
+    """`logits` with every projection's input rotated in fp32, not in the activations' bf16 (`quant.rotation_dtype`):
+    the GPU's int8 path before its rotation moved to bf16 tensor cores."""
+
+    def call(request):
+        with mock.patch.object(quant, "rotation_dtype", lambda x: torch.float32):
+            return logits(request)
+
+    return call
+
+
 def gpu_paths(root: Path, bundle: Path, module) -> dict:
     """The GPU path's rows on this CPU, with the GPU's numerics: compute in bf16 (`gpu_numerics`); int8 W8A8 on
     _int_mm's integers (8-bit activations, exact int32 sums: the reference twin's are the same), the fp32 parts
@@ -128,6 +140,7 @@ def gpu_paths(root: Path, bundle: Path, module) -> dict:
         REFERENCE: ReferenceModel(module, root, torch.bfloat16).logits,
         "ours bf16": clef_flash.load(root, device="cpu", precision="bf16").logits,
         "int8 w8a8 (_int_mm's integers), bf16": int8.logits,
+        "int8 w8a8 (_int_mm's integers), bf16, its rotation in fp32": rotation_in_fp32(int8.logits),
         "fp8 row-wise e4m3 (_scaled_mm), bf16": fp8.logits,
         "fp8 smoothed+rotated e4m3, bf16": load_rotated_fp8(root).logits,
     }

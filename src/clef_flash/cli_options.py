@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .coreml import RUNNERS
+from .device_io import CAPTURE_MODES
 from .plan import PRECISION_CHOICES
 from .request.records import DEFAULT_MAX_LENGTH
 from .server.settings import ServerSettings
@@ -126,6 +127,8 @@ MODEL_OPTIONS = (
         "state, up to MB mebibytes, so that later questions about the same state skip it (default: 1/8 of this machine's memory, "
         "at most 4096; 0: off)"),
     arg("--segment-tokens", type=positive_int, metavar="N", help="run long records N tokens at a time, which bounds their memory (default 2048)"),
+    arg("--graphs", choices=CAPTURE_MODES, help="on a GPU: lazy (the default: each step shape captured as a CUDA graph on first "
+        "use), load (every bucket's at load: slower to start), eager (no capture) or off (not through the graph pool)"),
     arg("--coreml-runner", choices=RUNNERS, help="for a Core ML export: coreml (the default; macOS) or torch (its traced fp32 twins, "
         "rebuilt from the source it was exported from: checks an export anywhere before it goes to a Mac)"),
     ADAPTER := arg("--adapter", action="append", metavar="[NAME=]DIR", help="a clef-finetune checkpoint (adapter/ + "

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 GPU_TYPES = ("cuda",)  # the device types that take the GPU path (testing/fake_gpu.py adds its stand-in)
+CAPTURE_MODES = ("lazy", "load", "eager", "off")  # load(graphs=...): how engine/graphs.py captures a GPU's whole steps
 
 
 def is_gpu(device: torch.device) -> bool:

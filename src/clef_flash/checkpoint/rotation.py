@@ -72,12 +72,12 @@ def _signs_on(n: int, device: torch.device) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def _hadamard_on(size: int, device: torch.device) -> torch.Tensor:
-    return _normalized_hadamard(size).to(device)
+def _hadamard_on(size: int, device: torch.device, dtype: torch.dtype = FP32) -> torch.Tensor:
+    return _normalized_hadamard(size).to(device=device, dtype=dtype)  # (entries +-2^-k/2: exact in bf16 for even k)
 
 
 def _block_hadamard(x: torch.Tensor) -> torch.Tensor:
-    """x [..., n] fp32 -> x H, H block-diagonal with orthonormal blocks of `block_size(n)`.
+    """x [..., n] fp32 (or bf16) -> x H in x's dtype, H block-diagonal with orthonormal blocks of `block_size(n)`.
 
     A block b = b1 * b2 is H_b = H_b1 (x) H_b2 (channel i = i1 * b2 + i2), so x_block H_b is H_b1^T X H_b2 with X
     the block as a [b1, b2] matrix; both factors are symmetric. Two matmuls of sqrt(b) per block instead of one of b.
@@ -86,19 +86,20 @@ def _block_hadamard(x: torch.Tensor) -> torch.Tensor:
     b = block_size(n)
     b1 = 1 << ((b.bit_length() - 1) // 2)  # b = 2^k: b1 = 2^(k//2)
     b2 = b // b1
-    h1 = _hadamard_on(b1, x.device)  # [b1, b1]
-    h2 = _hadamard_on(b2, x.device)  # [b2, b2]
+    h1 = _hadamard_on(b1, x.device, x.dtype)  # [b1, b1]
+    h2 = _hadamard_on(b2, x.device, x.dtype)  # [b2, b2]
     blocks = x.reshape(-1, b2)  # [M * n/b * b1, b2]: every block's rows of b2
     rows = (blocks @ h2).view(-1, b1, b2)  # H_b2 on the last axis, one flat GEMM: [M * n/b, b1, b2]
     return torch.matmul(h1, rows).reshape(x.shape)  # H_b1 on the middle axis (1.5x faster than h1 @ X @ h2 batched)
 
 
-def rotate(x: torch.Tensor, column_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., n] (any float dtype) -> x R = (x D) H in fp32 (R orthogonal: D the signs, H `_block_hadamard`'s);
-    with `column_scale` [n], (x diag(column_scale)) R, the scaling folded into the signs' pass."""
+def rotate(x: torch.Tensor, column_scale: torch.Tensor | None = None, dtype: torch.dtype = FP32) -> torch.Tensor:
+    """x [..., n] (any float dtype) -> x R = (x D) H in `dtype` (R orthogonal: D the signs, H `_block_hadamard`'s);
+    with `column_scale` [n], (x diag(column_scale)) R, the scaling folded into the signs' pass (in fp32). `dtype` bf16:
+    the two products on a GPU's bf16 tensor cores (fp32 sums, each output rounded to bf16), for the activations only."""
     n = x.shape[-1]
     factors = _signs_on(n, x.device) if column_scale is None else _signs_on(n, x.device) * column_scale  # [n]
-    return _block_hadamard(x.float() * factors)
+    return _block_hadamard((x.float() * factors).to(dtype))
 
 
 def unrotate(y: torch.Tensor) -> torch.Tensor:

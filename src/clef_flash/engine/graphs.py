@@ -7,8 +7,9 @@ and replayed, so that a step of 32 layers costs one launch instead of thousands 
 A step's shape is fixed by the buckets (prefill.run_segments pads it), so a handful of graphs serve every record.
 Each is captured on first use ("lazy") or for every (batch, bucket) at load ("load": slower to start, no capture in
 the first requests), all in one memory pool (they never run at once). Replaying writes into the graph's own input
-and output buffers: the input ids are copied in (the one upload), the output is valid until the next replay of the
-same graph, which prefill's callback has consumed by then (the head reads it into tensors of its own).
+and output buffers: the input ids are copied in (the one upload), the output is valid until the next replay of any
+graph of the pool (they share memory: another's replay may reuse it), which prefill's callback has consumed by then
+(the head reads it into tensors of its own).
 
 What runs inside a capture must not read the device on the host or send anything up (a capture records kernels,
 not host work): `device_io.capturing()` marks the region, and testing/fake_gpu.py refuses uploads inside it.
@@ -24,10 +25,10 @@ from typing import Any
 import torch
 
 from .. import device_io
+from ..device_io import CAPTURE_MODES
 from ..buckets import BATCH_BUCKETS, SEQUENCE_BUCKETS
 from ..model.qwen3_5 import Qwen35Decoder
 
-CAPTURE_MODES = ("lazy", "load", "eager", "off")
 WARMUP_RUNS = 2  # eager runs on a side stream before a capture (cuBLAS and Triton pick their kernels there)
 
 
