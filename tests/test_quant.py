@@ -309,15 +309,15 @@ def test_fp8_linear_pads_rows_as_cuda_needs_without_changing_them():
     assert torch.equal(quant.fp8_linear(x, q, scale, torch.float32, row_multiple=16), quant.fp8_linear(x, q, scale, torch.float32))
 
 
-def test_a_bf16_input_is_rotated_in_bf16_and_an_fp32_one_in_fp32():
-    """The GPU's int8 path rotates its bf16 activations in bf16 (tensor cores); a CPU's fp32 ones stay fp32: each
+def test_rotate_in_bf16_and_fp32():
+    """`rotate` in fp32 (every projection's input) and in bf16 (measured for a GPU's tensor cores, not kept: README), each
     within its dtype's rounding of the dense float64 rotation."""
     from clef_flash.checkpoint.rotation import rotate_reference
 
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(50))
+    assert quant.ROTATION_DTYPE == torch.float32
     for dtype, tolerance in ((torch.float32, 1e-6), (torch.bfloat16, 2e-2)):
-        assert quant.rotation_dtype(x.to(dtype)) == dtype
-        got = quant.rotate(x.to(dtype), dtype=quant.rotation_dtype(x.to(dtype)))
+        got = quant.rotate(x.to(dtype), dtype=dtype)
         expected = rotate_reference(x.to(dtype).float())
         error = ((got.double() - expected).abs().max() / expected.abs().max()).item()
         print(f"\nrotation in {dtype}: {error:.1e} of the largest element")

@@ -38,7 +38,6 @@ import torch
 from torch import nn
 
 from ..model.precision import (
-    BF16,
     FP8,
     FP8_MODE,
     FP32,
@@ -118,11 +117,10 @@ def weight_only_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) ->
     return out.view(*x.shape[:-1], q.shape[0])
 
 
-def rotation_dtype(x: torch.Tensor) -> torch.dtype:
-    """What a projection's input is rotated in: bf16 where the activations are bf16 (a GPU's int8 path: the rotation's two
-    products on tensor cores, ~8x the fp32 rate there; its rounding, 2^-9 of an element, is far below the int8 step of
-    1/127 of the token's largest; agreement measured, README), else fp32 (a CPU's int8 computes in fp32)."""
-    return BF16 if x.dtype == BF16 else FP32
+# What a projection's input is rotated in, on every device: fp32. On a GPU its two products in bf16 (tensor cores, ~8x
+# the fp32 rate) were measured with the GPU's numerics (benchmarks/agreement.py --gpu-rows, README): one decision more
+# than the fp32 rotation in each of two runs and a median |dp| 12-16% higher, so they stay fp32.
+ROTATION_DTYPE = FP32
 
 
 _last_rotation = threading.local()  # .entry: (input, its version, smoothing, (input / smoothing) R)
@@ -151,7 +149,7 @@ class Int8Linear(nn.Module):
         last = getattr(_last_rotation, "entry", None)
         if last is not None and last[0] is x and last[1] == version and last[2] is self.input_smoothing:
             return last[3]
-        rotated = rotate(x.reshape(-1, self.in_features), column_scale=1.0 / self.input_smoothing, dtype=rotation_dtype(x))  # [M, I]
+        rotated = rotate(x.reshape(-1, self.in_features), column_scale=1.0 / self.input_smoothing, dtype=ROTATION_DTYPE)  # [M, I] fp32
         _last_rotation.entry = (x, version, self.input_smoothing, rotated)
         return rotated
 
