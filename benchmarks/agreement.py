@@ -134,13 +134,14 @@ def gpu_paths(root: Path, bundle: Path, module) -> dict:
     """The GPU path's rows on this CPU, with the GPU's numerics: compute in bf16 (`gpu_numerics`); int8 W8A8 on
     _int_mm's integers (8-bit activations, exact int32 sums: the reference twin's are the same), the fp32 parts
     around it as the CUDA kernel has them; fp8 row-wise through torch._scaled_mm (on CPU here), bf16 out."""
-    with gpu_numerics():
-        int8, fp8 = load_on_kernel(root, 127), clef_flash.load(root, device="cpu", precision="fp8")
+    with gpu_numerics():  # (the bf16 rotation's row on a model of its own: a shared one would share kept states)
+        int8, int8_bf16_rotation = load_on_kernel(root, 127), load_on_kernel(root, 127)
+        fp8 = clef_flash.load(root, device="cpu", precision="fp8")
     return {
         REFERENCE: ReferenceModel(module, root, torch.bfloat16).logits,
         "ours bf16": clef_flash.load(root, device="cpu", precision="bf16").logits,
         "int8 w8a8 (_int_mm's integers), bf16": int8.logits,
-        "int8 w8a8 (_int_mm's integers), bf16, its rotation in bf16": rotation_in_bf16(int8.logits),
+        "int8 w8a8 (_int_mm's integers), bf16, its rotation in bf16": rotation_in_bf16(int8_bf16_rotation.logits),
         "fp8 row-wise e4m3 (_scaled_mm), bf16": fp8.logits,
         "fp8 smoothed+rotated e4m3, bf16": load_rotated_fp8(root).logits,
     }

@@ -66,6 +66,7 @@ class EngineSpec:
     segment_tokens: int | None = None
     resident_layers: int | None = None
     coreml_runner: str | None = None  # a Core ML export: what runs it (it runs as exported: no precision)
+    graphs: str | None = None  # on a GPU: how whole decoder steps are captured (engine/graphs.py); None: lazily
     threads: int | None = None  # torch intra-op threads of each worker; None: torch's default
     fingerprint: str | None = None  # config, then weights: what the driver opened
     weights_fingerprint: str | None = None
@@ -114,6 +115,7 @@ class EngineSpec:
                 ("segment_tokens", self.segment_tokens),
                 ("resident_layers", self.resident_layers),
                 ("coreml_runner", self.coreml_runner),
+                ("graphs", self.graphs),
             )
             if value is not None
         }
