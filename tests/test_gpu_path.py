@@ -255,3 +255,15 @@ def test_info_names_the_plan_on_cuda(capsys):
     with FakeGpu(capability=(7, 0), name="Tesla V100"):
         main(["info"])
     assert "on CUDA      release: bf16 (on cuda (Tesla V100, sm_70): bf16; no int8 tensor cores" in capsys.readouterr().out
+
+
+def test_a_ray_spec_for_gpu_workers_resolves_on_a_head_without_a_gpu(tiny_dir):
+    """`--ray --gpus-per-worker 1` from a head without a GPU: the workers' plan is resolved for cuda (bf16: the head cannot
+    read their capability); from a head with an H100 (the stand-in), their int8 tensor cores' int8-w8a8."""
+    from clef_flash.distributed import EngineSpec
+
+    spec = EngineSpec.resolve(str(tiny_dir), precision=None, device="cuda")
+    assert (spec.device, spec.precision) == ("cuda", "bf16") and spec.plan_key.endswith("|cuda")
+    with FakeGpu():
+        spec = EngineSpec.resolve(str(tiny_dir), precision=None, device="cuda")
+    assert spec.precision == "int8-w8a8" and "|int_mm|" in spec.plan_key

@@ -50,10 +50,13 @@ def plan_of(
     precision: str | None = None,
     coreml_runner: Runner | str | None = None,
     fit_memory: bool = False,
+    for_workers: bool = False,
 ) -> Plan:
     """The plan `load` runs `checkpoint` in, decided without building anything (batch's progress file,
     Ray's engine spec): a Core ML export runs as exported; anything else is resolved on this machine
-    (`fit_memory`: `precision` streamed if it does not fit this machine's memory whole, `plan.resolve`)."""
+    (`fit_memory`: `precision` streamed if it does not fit this machine's memory whole, `plan.resolve`).
+    `for_workers`: the plan of other machines' `device` (Ray's GPU workers), which this one need not have: a CUDA
+    plan resolved without a CUDA device here takes no int8 tensor cores for granted (bf16, its reason says why)."""
     if checkpoint.kind == "coreml":
         if precision is not None:
             raise ClefError(f"{checkpoint.where} is a Core ML export: it runs as exported (8-bit weights, fp16); leave precision unset")
@@ -63,7 +66,7 @@ def plan_of(
         raise ClefError(f"{checkpoint.where} is not a Core ML export: --coreml-runner applies to exports only")
     return resolve(
         checkpoint,
-        pick_device(device),
+        torch.device(device) if for_workers and str(device) != "auto" else pick_device(device),
         precision,
         rates=machine_rates,
         available_memory=available_memory_bytes,

@@ -84,7 +84,9 @@ class EngineSpec:
         from ..loader import plan_of
 
         checkpoint = open_checkpoint(source, revision=revision)
-        plan = plan_of(checkpoint, device=torch.device(device), precision=precision, coreml_runner=options.get("coreml_runner"))
+        plan = plan_of(
+            checkpoint, device=torch.device(device), precision=precision, coreml_runner=options.get("coreml_runner"), for_workers=True
+        )  # (the workers' GPUs: a head without one resolves their default as bf16, having no capability to read)
         local = str(source) != "tiny" and not str(source).startswith(RANDOM_PREFIX) and Path(source).expanduser().is_dir()
         shipped = str(Path(source).expanduser().resolve()) if local else str(source)  # a hub id: each node downloads it
         return cls(
