@@ -69,9 +69,8 @@ def test_the_whole_forward_runs_on_the_device_without_a_host_sync(tiny_dir, adap
         assert model.engine.backend.bucketed and model.engine.backend.graphs is not None
         run_everything(model, shared_state_requests, adapter_name="tuned")
         replays = model.engine.backend.graphs.replays
-    calls = 2 + 2  # answer, answer_many, answer (kept state), adapter answer, adapter answer_many: forwards' readbacks
     print(f"\n{precision} on the stand-in GPU: {gpu.uploads} uploads, {gpu.readbacks} readbacks, {gpu.captures} captured steps, {replays} replays")
-    assert gpu.readbacks >= calls
+    assert gpu.readbacks >= 5  # answer, answer_many, answer (a kept state), the adapter's answer and answer_many: a forward each
     assert gpu.captures >= 1 and replays >= 1  # whole steps went through the graph pool, inside `capturing`
 
 

@@ -207,10 +207,12 @@ class TorchBackend:
         clock.close(time.perf_counter() - start)  # (on a GPU the host's time, unless timing_sync waits for the device)
         decoded = time.perf_counter()
         results: list[list[QuestionResult]] = [[] for _ in records]
+        scored = []  # each adapter group's logits and probabilities [No] float64, on the device
         for name, members, head_batch, builder in groups:
             logits = self.head_of(name).score(builder.features(), head_batch, self.parts.lm_head)  # [No]
-            probabilities = softmax_per_question(logits, head_batch)
-            host_logits, host_probabilities = device_io.to_host([logits.double(), probabilities.double()])  # the one readback
+            scored += [logits.double(), softmax_per_question(logits, head_batch).double()]
+        host = device_io.to_host(scored)  # the forward's one readback
+        for (_, members, head_batch, _), host_logits, host_probabilities in zip(groups, host[0::2], host[1::2]):
             per_record_logits = split_logits(host_logits, head_batch)
             per_record_probabilities = split_logits(host_probabilities, head_batch)
             for index, record_logits, record_probabilities in zip(members, per_record_logits, per_record_probabilities):
