@@ -603,6 +603,7 @@ def test_serve_command(model, monkeypatch, capsys):
             "resident_layers": None,
             "state_cache_mb": 64.0,
             "segment_tokens": None,  # load's default (2048)
+            "graphs": None,  # load's default (lazy capture on a GPU)
             "coreml_runner": None,
             "max_length": 512,
         },
