@@ -72,11 +72,9 @@ class DeviceMix(RuntimeError):
     """A host tensor met a device tensor in an op: CUDA refuses it."""
 
 
-def _devices(tensors: list[torch.Tensor]) -> set[str]:
-    return {tensor.device.type for tensor in tensors}
-
-
 class _Guard(TorchDispatchMode):
+    """Every op sees `FakeGpu.check` first when it touches the stand-in device (an input on it, or a result made there)."""
+
     def __init__(self, owner: FakeGpu):
         super().__init__()
         self.owner = owner
@@ -116,9 +114,13 @@ class FakeGpu:
         if func.overloadpacket in _HOST_READS:
             raise HostSync(f"{func}: {_HOST_READS[func.overloadpacket]} inside a forward (the host would wait for the device)")
         if func.overloadpacket in _COPIES:
-            into = func.overloadpacket in (aten.copy_, aten._copy_from_and_resize) or func.overloadpacket is aten._copy_from
-            source = args[1] if func.overloadpacket is aten.copy_ else args[0]
-            destination = args[0].device if func.overloadpacket is aten.copy_ else (args[1].device if into else torch.device(target or source.device))
+            packet = func.overloadpacket
+            if packet is aten.copy_:  # copy_(destination, source)
+                source, destination = args[1], args[0].device
+            elif packet in (aten._copy_from, aten._copy_from_and_resize):  # _copy_from(source, destination)
+                source, destination = args[0], args[1].device
+            else:  # to / _to_copy(source, device=...)
+                source, destination = args[0], torch.device(target or args[0].device)
             if source.device == STAND_IN and destination.type == "cpu":
                 raise HostSync(f"{func}: a device-to-host copy inside a forward (only device_io.to_host reads back)")
             if source.device.type == "cpu" and destination == STAND_IN:
