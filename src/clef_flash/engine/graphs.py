@@ -71,6 +71,7 @@ class GraphPool:
     def describe(self) -> dict[str, Any]:
         return {"capture": self.capture, "graphs": sorted(self.graphs), "replays": self.replays}
 
+    @torch.inference_mode()  # as every forward runs (clef.py): captured at load too, no autograd recorded
     def _graph(self, batch: int, width: int) -> _Graph:
         key = (batch, width)
         if key not in self.graphs:
