@@ -37,6 +37,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from .. import device_io
 from ..model.precision import (
     FP8,
     FP8_MODE,
@@ -266,11 +267,11 @@ def quantize_fp8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.
 def fp8_linear(x2d: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, row_multiple: int | None = None) -> torch.Tensor:
     """x [M, I] -> [M, O] in `out_dtype`: x in e4m3 per token times the e4m3 weight q [O, I] (scale [O]), products
     summed by `torch._scaled_mm` with both row-wise scales. On CUDA its dimensions must be multiples of 16: I and O of
-    the 9B are; M is padded with zero rows to `row_multiple` (default: 16 on CUDA, 1 elsewhere; rows are independent,
+    the 9B are; M is padded with zero rows to `row_multiple` (default: 16 on a GPU, device_io.is_gpu, 1 elsewhere; rows are independent,
     so the answers are the same) where the decoder's buckets do not already make it one. The CPU takes any shape
     (slow: for measurement)."""
     rows = x2d.shape[0]
-    row_multiple = row_multiple or (FP8_ROWS if x2d.device.type == "cuda" else 1)
+    row_multiple = row_multiple or (FP8_ROWS if device_io.is_gpu(x2d.device) else 1)
     xq, x_scale = quantize_fp8(x2d)  # [M, I] e4m3, [M, 1]
     if rows % row_multiple:
         padding = -rows % row_multiple
