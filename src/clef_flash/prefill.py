@@ -95,11 +95,12 @@ def run_segments(
         if whole:  # rows from their start, nothing kept: lengths change nothing (causality), padding rows dropped
             output = (whole_step or (lambda ids: decoder(ids.to(device))))(input_ids)[: len(active)]
         else:
+            on_device = input_ids.to(device)  # the step's one upload of its ids
             inputs = {}
             if with_media:
-                inputs = media_inputs(decoder, input_ids.to(device), [media[index] for index in active], [past_of[index] + done[index] for index in active], counts)
+                inputs = media_inputs(decoder, on_device, [media[index] for index in active], [past_of[index] + done[index] for index in active], counts)
             with contextlib.nullcontext() if route is None else route(active, counts, input_ids.shape[1]):
-                output = decoder(input_ids.to(device), counts, state=state, return_state=return_state, reserve=reserve, **inputs)
+                output = decoder(on_device, counts, state=state, return_state=return_state, reserve=reserve, **inputs)
         hidden, state = output if return_state else (output, None)
         on_segment(hidden, active, [done[index] for index in active], counts)
         del hidden, output
