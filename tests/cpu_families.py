@@ -14,7 +14,7 @@ import dataclasses
 
 import clef_flash.loader
 from clef_flash import machine
-from clef_flash.checkpoint.w8a8 import FBGEMM, INT_MM, ONEDNN, W8A8_KERNELS, reference_kernel
+from clef_flash.checkpoint.w8a8 import FBGEMM, INT_MM, ONEDNN, ONEDNN_U7, W8A8_KERNELS, reference_kernel
 
 NOT_EXACT = "not exact here: off by up to 8192768 from exact integer products on the adversarial trial"
 
@@ -29,10 +29,12 @@ FAMILIES: dict[str, machine.Rates] = {
         fp32=130, bf16=60, int8=750, int8_kernel=ONEDNN, kernels={ONEDNN: 750, INT_MM: 700, FBGEMM: 500}, int8_bits=8,
     ),
     # 7-bit only: AMD EPYC Zen 3 (AVX2 + FMA), as measured there (issue 39): int_mm exact but a reference loop; W8A8's
-    # rate there is its mixed digits' (FBGEMM 260 one digit, ~150 two: issue 40's "W8A8 as planned today" 178)
+    # rate there is its mixed digits' (FBGEMM 260 one digit, ~150 two: issue 40's "W8A8 as planned today" 178).
+    # onednn-u7 (issue 50) was not measured on a Zen 3: its rate and both packing times are the AVX2 emulation's on
+    # Zen 4 (268 against FBGEMM's 254 GOP/s, so 260 * 1.05; packing 41 against 191 ms), and it is the default's kernel
     "avx2": machine.Rates(
-        fp32=123, bf16=21, int8=178, int8_kernel=FBGEMM, kernels={FBGEMM: 260, INT_MM: 4},
-        excluded={ONEDNN: NOT_EXACT}, int8_bits=7,
+        fp32=123, bf16=21, int8=178, int8_kernel=ONEDNN_U7, kernels={ONEDNN_U7: 274, FBGEMM: 260, INT_MM: 4},
+        excluded={ONEDNN: NOT_EXACT}, int8_bits=7, pack_ms={ONEDNN_U7: 41, FBGEMM: 191, INT_MM: 0.0},
     ),
     # no exact W8A8 kernel at all
     "none": machine.Rates(

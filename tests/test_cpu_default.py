@@ -161,6 +161,33 @@ def test_a_w8a8_kernel_runs_only_where_it_is_exact(name):
         assert error < 1e-6, (rows, error)  # the same int32 sums, scaled in another order
 
 
+def test_onednn_u7_gives_fbgemms_sums_to_the_bit():
+    """The two 7-bit kernels round the same integers and sum them exactly: the same fp32 out, bit for bit (so every
+    agreement figure measured on FBGEMM holds for onednn-u7), one digit and two."""
+    u7, fbgemm = W8A8_KERNELS["onednn-u7"], W8A8_KERNELS["fbgemm"]
+    if not (u7.available() and fbgemm.available()):
+        pytest.skip("oneDNN or FBGEMM is not in this torch build")
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 520, generator=generator) * torch.rand(37, 1, generator=generator) * 9
+    q, scale = quantize_per_channel(torch.randn(72, 520, generator=generator))
+    one = [kernel.linear(x, kernel.pack(q, scale), scale) for kernel in (u7, fbgemm)]
+    two = [kernel.two_digit_linear(x, kernel.pack(q, scale), scale) for kernel in (u7, fbgemm)]
+    print(f"onednn-u7 vs fbgemm: max |diff| one digit {(one[0] - one[1]).abs().max():.1e}, two {(two[0] - two[1]).abs().max():.1e}")
+    assert torch.equal(one[0], one[1]) and torch.equal(two[0], two[1])
+
+
+def test_of_kernels_as_fast_the_one_that_packs_fastest_runs():
+    """The load waits for packing: of the kernels within 10% of the fastest, the fastest to pack; a kernel more than
+    10% slower is never chosen for its packing; 8-bit activations before 7 as before."""
+    fast_pack = {"onednn-u7": 41.0, "fbgemm": 191.0}
+    assert machine.w8a8_choice({"fbgemm": 254.0, "onednn-u7": 268.0}, 151.0, fast_pack) == "onednn-u7"
+    assert machine.w8a8_choice({"fbgemm": 268.0, "onednn-u7": 254.0}, 151.0, fast_pack) == "onednn-u7"
+    assert machine.w8a8_choice({"fbgemm": 300.0, "onednn-u7": 254.0}, 151.0, fast_pack) == "fbgemm"
+    assert machine.w8a8_choice({"fbgemm": 300.0, "onednn-u7": 254.0}, 151.0) == "fbgemm"  # no pack times: the fastest
+    assert machine.w8a8_choice({"onednn": 700.0, "onednn-u7": 760.0}, 151.0, {"onednn": 90.0, "onednn-u7": 40.0}) == "onednn"
+    assert machine.w8a8_choice({}, 151.0) is None
+
+
 @pytest.mark.parametrize("family", ["amx", "vnni", "avx2"])
 def test_each_familys_default_runs_w8a8_on_its_kernel(tiny_dir, monkeypatch, family):
     """On each family with a fast exact kernel, a release's default is W8A8 on that kernel, 1 byte a weight, packed by
