@@ -5,13 +5,16 @@
     python benchmarks/bundle_9b.py --memory-gb 11           # the default as an 11 GB machine picks it
     python benchmarks/bundle_9b.py --precision default,int8-weight-only --rounds 2   # both, alternating
     python benchmarks/bundle_9b.py --config 27b     # Clef 27B's shapes: on 24 GB, 8-bit with streamed layers (issue 43)
+    python benchmarks/bundle_9b.py --baseline-src ../old/src --rounds 2   # an older checkout's load beside this one's (issue 50)
 
 Converts `random:9b` (32 layers, hidden 4096, vocabulary 248,320; each tensor drawn as it is converted, no release
 written) to `DIR/bundle-9b` as `clef-flash convert random:9b DIR/bundle-9b` does unless it is there (with
 `--answer-from release`, writes `DIR/release-9b` instead: about 19 GB of bf16, never committed), then in a fresh
 process loads the bundle and answers one
 ~370-token, 3-question record three times (the first reads the weights from disk and packs them for this
-CPU; the faster of the other two is the warm figure, both are printed). Each step runs in its own process, so each peak
+CPU; the faster of the other two is the warm figure, both are printed), then once more with the state cache emptied
+first (`warm_fresh_s`: the warm runs reuse the first's 127-token prefix, the first cannot, so the first answer is
+held to this one, like for like). Each step runs in its own process, so each peak
 RSS is its own. `--precision` takes a comma-separated list (`default`: precision=None), one fresh process each,
 alternating for `--rounds` rounds. `--answer-from release` skips the conversion and answers from the release (what a user who
 never converts gets: with no precision, the default that fits this machine's memory).
@@ -20,6 +23,7 @@ never converts gets: with no precision, the default that fits this machine's mem
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import resource
 import subprocess
@@ -60,6 +64,8 @@ def main() -> None:
     parser.add_argument("--memory-gb", type=float, help="choose the default as on a machine with this much memory available")
     parser.add_argument("--json", type=Path, help="also write every answer step's figures to this file")
     parser.add_argument("--rounds", type=int, default=1, help="answer steps per precision, alternating")
+    parser.add_argument("--baseline-src", type=Path, help="also load with the clef_flash package under this src folder "
+                        "(an older checkout's), alternating with this checkout's in each round")
     args = parser.parse_args()
     base = Path(args.dir).resolve()
     release, bundle = base / f"release-{args.config}", base / f"bundle-{args.config}"
@@ -89,17 +95,19 @@ def main() -> None:
         print(f"  {convert_s:.0f} s, peak RSS {convert_rss:.2f} GB, bundle {directory_gb(bundle):.2f} GB", flush=True)
     answered = bundle if args.answer_from == "bundle" else release
 
+    sources = {"this": ROOT / "src"} | ({"baseline": args.baseline_src.resolve()} if args.baseline_src else {})
     results = []
     for round_index in range(args.rounds):
-        for asked in args.precision.split(","):
-            answer = answer_step(answered, None if asked == "default" else asked, args.memory_gb)
-            answer.update(asked=asked, round=round_index)
+        for (source, src), asked in itertools.product(reversed(sources.items()), args.precision.split(",")):
+            answer = answer_step(answered, None if asked == "default" else asked, args.memory_gb, src)
+            answer.update(asked=asked, round=round_index, source=source, src=str(src))
             results.append(answer)
             print(
-                f"{answered.name} [{asked}, round {round_index + 1}]: {answer['precision']} ({answer['why']}): "
+                f"{answered.name} [{source}, {asked}, round {round_index + 1}]: {answer['precision']} ({answer['why']}): "
                 f"load until ready {answer['ready_s']:.2f} s; {answer['tokens']}-token record: first answer "
                 f"{answer['first_s']:.1f} s (weights read and packed), warm {answer['warm_s']:.2f} s "
-                f"(runs {', '.join(f'{s:.2f}' for s in answer['warm_all_s'])}); peak RSS {answer['own_peak_rss_gb']:.2f} GB",
+                f"(runs {', '.join(f'{s:.2f}' for s in answer['warm_all_s'])}; state cache emptied {answer['warm_fresh_s']:.2f}, "
+                f"first / that {answer['first_s'] / answer['warm_fresh_s']:.2f}x); peak RSS {answer['own_peak_rss_gb']:.2f} GB",
                 flush=True,
             )
             print(f"  plan: {answer['plan']}; last answer by stage: {answer['timings']}", flush=True)
@@ -107,12 +115,14 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
 
 
-def answer_step(answered: Path, precision: str | None, memory_gb: float | None) -> dict:
-    """Load `answered` in a fresh process and answer the typical record three times; the figures."""
+def answer_step(answered: Path, precision: str | None, memory_gb: float | None, src: Path = ROOT / "src") -> dict:
+    """Load `answered` in a fresh process (clef_flash from `src`) and answer the typical record three times, then once
+    with the state cache emptied; the figures."""
     answer, _, _ = run_step(
         f"""
         import json, resource, sys, time
-        sys.path.insert(0, "benchmarks")
+        sys.path.insert(0, {str(src)!r})
+        sys.path.insert(1, "benchmarks")
         start = time.perf_counter()
         import clef_flash
         import clef_flash.loader
@@ -127,7 +137,12 @@ def answer_step(answered: Path, precision: str | None, memory_gb: float | None) 
             begin = time.perf_counter()
             model.answer(request)
             times.append(time.perf_counter() - begin)
-        print(json.dumps({{"ready_s": ready, "first_s": times[0], "warm_s": sorted(times[1:])[0],
+        model.state_cache.clear()
+        begin = time.perf_counter()
+        model.answer(request)
+        fresh = time.perf_counter() - begin
+        print(json.dumps({{"ready_s": ready, "first_s": times[0], "warm_s": sorted(times[1:])[0], "warm_fresh_s": fresh,
+                          "clef_flash": clef_flash.__file__,
                           "warm_all_s": times[1:], "precision": model.precision, "why": model.precision_policy.reason,
                           "plan": model.plan.describe(),
                           "own_peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2,

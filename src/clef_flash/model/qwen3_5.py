@@ -31,7 +31,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
 
 from .. import device_io
 from .config import TextConfig
@@ -344,6 +343,15 @@ class GatedAttention(nn.Module):
 # so that it stays within this (32 MB) whatever the past; one call for 2,048 queries after 64K keys would
 # materialize 0.5 GB. Each query's softmax is the same; the outputs are bitwise those of one call here.
 ATTENTION_MASK_ELEMENTS = 1 << 23
+
+
+def causal_lower_right(queries: int, keys: int) -> torch.Tensor:
+    """torch's lower-right causal bias, `queries` after `keys - queries` of past. Imported on first use: importing
+    torch.nn.attention.bias imports torch._dynamo (1.0 s, 40% of `import clef_flash`'s time before issue 50), and
+    only a forward that continues a kept state needs it."""
+    from torch.nn.attention.bias import causal_lower_right as lower_right
+
+    return lower_right(queries, keys)
 
 
 def _attend_after(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, past: int) -> torch.Tensor:
