@@ -20,7 +20,7 @@ from clef_flash import buckets, device_io
 from clef_flash.model import qwen3_5
 from clef_flash.request.samples import random_request, random_requests
 from clef_flash.testing.adapters import write_random_adapter
-from clef_flash.testing.fake_gpu import DeviceMix, FakeGpu, HostSync, lower_right_mask
+from clef_flash.testing.fake_gpu import DeviceMix, FakeGpu, HostSync
 
 
 @pytest.fixture(scope="module")
@@ -127,13 +127,16 @@ def test_an_upload_inside_a_capture_fails(gpu_model, monkeypatch):
             gpu_model.answer(request)
 
 
-def test_the_stand_in_causal_mask_is_torch_lower_right_causal_bias():
-    """fake_gpu's boolean mask for queries after a past is exactly torch's CausalBias (the decoder's)."""
+def test_the_boolean_causal_mask_is_torch_lower_right_causal_bias():
+    """The boolean mask for queries after a past (the decoder's on a CPU, fake_gpu's on its stand-in) is exactly torch's
+    CausalBias (the decoder's on a GPU)."""
+    from torch.nn.attention.bias import causal_lower_right
+
     query, key, value = (torch.randn(1, 2, n, 8, generator=torch.Generator().manual_seed(n)) for n in (5, 9, 9))
     for queries, keys in ((5, 9), (1, 9), (5, 5)):
         q = query[:, :, :queries]
-        expected = torch.nn.functional.scaled_dot_product_attention(q, key[:, :, :keys], value[:, :, :keys], attn_mask=qwen3_5.causal_lower_right(queries, keys))
-        got = torch.nn.functional.scaled_dot_product_attention(q, key[:, :, :keys], value[:, :, :keys], attn_mask=lower_right_mask(queries, keys, torch.device("cpu")))
+        expected = torch.nn.functional.scaled_dot_product_attention(q, key[:, :, :keys], value[:, :, :keys], attn_mask=causal_lower_right(queries, keys))
+        got = torch.nn.functional.scaled_dot_product_attention(q, key[:, :, :keys], value[:, :, :keys], attn_mask=qwen3_5.causal_lower_right(queries, keys, torch.device("cpu")))
         assert torch.equal(got, expected)
 
 

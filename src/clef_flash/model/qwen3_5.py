@@ -345,13 +345,21 @@ class GatedAttention(nn.Module):
 ATTENTION_MASK_ELEMENTS = 1 << 23
 
 
-def causal_lower_right(queries: int, keys: int) -> torch.Tensor:
-    """torch's lower-right causal bias, `queries` after `keys - queries` of past. Imported on first use: importing
-    torch.nn.attention.bias imports torch._dynamo (1.0 s, 40% of `import clef_flash`'s time before issue 50), and
-    only a forward that continues a kept state needs it."""
-    from torch.nn.attention.bias import causal_lower_right as lower_right
+def lower_right_mask(queries: int, keys: int, device: torch.device) -> torch.Tensor:
+    """[queries, keys] bool: query i (at position keys - queries + i) sees keys 0 .. keys - queries + i."""
+    return torch.ones(queries, keys, dtype=torch.bool, device=device).tril(keys - queries)
 
-    return lower_right(queries, keys)
+
+def causal_lower_right(queries: int, keys: int, device: torch.device) -> torch.Tensor:
+    """The causal mask of `queries` after `keys - queries` of past. On a GPU, torch's CausalBias (its SDPA picks a
+    kernel that never materializes the mask); elsewhere the boolean mask CausalBias itself materializes there (the
+    same SDPA call, bitwise: tests/test_gpu_path.py), so a CPU never imports torch.nn.attention.bias, which imports
+    torch._dynamo (1.0 s of `import clef_flash`'s 2.4 s before issue 50)."""
+    if not device_io.is_gpu(device):
+        return lower_right_mask(queries, keys, device)
+    from torch.nn.attention.bias import causal_lower_right as causal_bias
+
+    return causal_bias(queries, keys)
 
 
 def _attend_after(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, past: int) -> torch.Tensor:
@@ -361,13 +369,13 @@ def _attend_after(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, p
         return F.scaled_dot_product_attention(query, key, value, is_causal=n > 1, enable_gqa=True)
     chunk = max(1, ATTENTION_MASK_ELEMENTS // (past + n))
     if chunk >= n:
-        return F.scaled_dot_product_attention(query, key, value, attn_mask=causal_lower_right(n, past + n), enable_gqa=True)
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=causal_lower_right(n, past + n, query.device), enable_gqa=True)
     out = query.new_empty(query.shape)
     for start in range(0, n, chunk):
         end = min(n, start + chunk)
         out[:, :, start:end] = F.scaled_dot_product_attention(
             query[:, :, start:end], key[:, :, : past + end], value[:, :, : past + end],
-            attn_mask=causal_lower_right(end - start, past + end), enable_gqa=True,
+            attn_mask=causal_lower_right(end - start, past + end, query.device), enable_gqa=True,
         )
     return out
 

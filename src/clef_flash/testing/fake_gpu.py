@@ -55,15 +55,6 @@ _MASK_INDEXED = (aten.index, aten.index_put, aten.index_put_, aten._index_put_im
 _COPIES = (aten.to, aten._to_copy, aten.copy_, aten._copy_from, aten._copy_from_and_resize)  # overload packets
 
 
-def lower_right_mask(queries: int, keys: int, device: torch.device) -> torch.Tensor:
-    """[queries, keys] bool: query i (at position keys - queries + i) sees keys 0 .. keys - queries + i."""
-    return torch.ones(queries, keys, dtype=torch.bool, device=device).tril(keys - queries)
-
-
-def _lower_right(queries: int, keys: int) -> torch.Tensor:
-    return lower_right_mask(queries, keys, STAND_IN)
-
-
 class HostSync(RuntimeError):
     """A forward read a device tensor on the host, or copied one there: on CUDA, a synchronization."""
 
@@ -165,7 +156,7 @@ class FakeGpu:
         stack.enter_context(mock.patch.object(device_io, "capturing", self._capturing_region))
         # torch's CausalBias is a tensor subclass that cannot be made while a Python dispatch mode is active: the same
         # lower-right causal mask as booleans, made on the device (tests/test_gpu_path.py holds the two equal on a CPU)
-        stack.enter_context(mock.patch.object(qwen3_5, "causal_lower_right", lambda queries, keys: _lower_right(queries, keys)))
+        stack.enter_context(mock.patch.object(qwen3_5, "causal_lower_right", qwen3_5.lower_right_mask))
         stack.enter_context(torch.no_grad())
         stack.enter_context(_Guard(self))
         return self
