@@ -5,7 +5,7 @@ import os
 # Transparent huge pages for torch's CPU allocations of 2 MB and more (c10 reads this once, at its first allocation,
 # so it must be set before the process makes any tensor; a value already set is kept: THP_MEM_ALLOC_ENABLE=0 turns it
 # off). Loading packs every 8-bit weight into fresh memory, and on the VMs measured most of a load's system time was the
-# kernel zeroing 4 KiB pages: 9B bundle under the AVX2 emulation, ready 9.7 s with it against 10.8-15.2 s without
+# kernel zeroing 4 KiB pages: 9B bundle under the AVX2 emulation, `load` 9.6-9.8 s with it against 10.8-15.2 s without
 # (benchmarks/results/bundle-9b-ready-A-avx2-emulated.json). Linux only; elsewhere torch ignores it.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
