@@ -2,6 +2,7 @@
 
 from .errors import (
     BundleError,
+    CalibrationError,
     ClefError,
     InferenceError,
     ModelSourceError,
@@ -26,6 +27,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "BundleError",
+    "CalibrationError",
     "Clef",
     "ClefError",
     "EncodedQuestion",
