@@ -14,6 +14,7 @@ import json
 import math
 import random
 import re
+import time
 from pathlib import Path
 
 import numpy as np
@@ -252,7 +253,7 @@ def test_unreadable_files(tmp_path):
 
 
 def test_command_line_fits_then_answers(distorted, tiny_dir, tmp_path, capsys):
-    small = write_jsonl(tmp_path / "small.jsonl", [json.loads(line) for line in distorted.read_text().splitlines()[:80]])
+    small = write_jsonl(tmp_path / "small.jsonl", [json.loads(line) for line in distorted.read_text().splitlines()[:60]])
     out, reports = tmp_path / "fitted" / "calibration.json", tmp_path / "report"
     argv = ["eval", "labelled", str(small), "--model", str(tiny_dir), "--precision", "fp32", "--fit-calibration", str(out)]
     code = main([*argv, "--holdout", "0.25", "--seed", "3", "--out", str(reports)])
@@ -260,7 +261,7 @@ def test_command_line_fits_then_answers(distorted, tiny_dir, tmp_path, capsys):
     assert code == 0, err
     assert f"answer with --calibration {out}" in err
     report = json.loads((reports / "report.json").read_text())
-    assert (report["records"], report["held_out_records"], report["seed"]) == (80, 20, 3)
+    assert (report["records"], report["held_out_records"], report["seed"]) == (60, 15, 3)
     assert (reports / "report.md").read_text() == printed and "# clef-flash eval: fitted calibration" in printed
     assert (reports / "reliability.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert set(read_calibration(out).temperatures[None]) == set(TRUE_TEMPERATURES)
@@ -281,7 +282,7 @@ def test_per_adapter_temperatures(distorted, tiny_dir, tmp_path, module_tmp):
 
     adapter = write_random_adapter(module_tmp("adapter") / "checkpoint-1", "tiny", rank=4, seed=1)
     model = clef_flash.load(tiny_dir, adapters={"a": adapter}, precision="fp32")
-    small = write_jsonl(tmp_path / "small.jsonl", [json.loads(line) for line in distorted.read_text().splitlines()[:60]])
+    small = write_jsonl(tmp_path / "small.jsonl", [json.loads(line) for line in distorted.read_text().splitlines()[:40]])
     calibration, report = fit_calibration(small, model, adapters=[None, "a"], holdout=0.3, seed=0)
     assert [side["adapter"] for side in report["sides"]] == [None, "a"]
     assert set(calibration.temperatures) == {None, "a"} and calibration.fitted_on["model"]["adapters"] == {"a": model.adapter_fingerprints["a"]}
@@ -337,3 +338,43 @@ def test_info_lines(fitted, tiny_dir, tmp_path):
     lines = calibration_lines(describe_calibration(str(tiny_dir), path))
     assert lines[0].startswith(f"calibration  {path} (sha256 {fitted[0].digest[:16]}), fitted on file distorted.jsonl, records {RECORDS}")
     assert lines[1].strip() == "base: 3 questions tempered (level, team, urgent)"
+
+
+def test_served_answers_say_they_are_calibrated_and_the_official_client_reads_them(model):
+    """Over HTTP: the body's `calibration` field and /health's; typesafe-sdk (the official client) parses the answers
+    unchanged beside the new field."""
+    pytest.importorskip("fastapi")
+    typesafe_sdk = pytest.importorskip("typesafe_sdk")
+    from fastapi.testclient import TestClient
+
+    from clef_flash.server import create_app
+    from clef_flash.testing.server import running_server
+
+    calibration = Calibration({None: {"refund": 0.05, "team": 0.2}})
+    questions = {
+        "refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"},
+        "team": {"type": "choice", "instructions": "Which team?", "criteria": {"billing": "Charges", "technical": None}},
+    }
+    request = {"model": "clef-flash", "state": "Charged twice, refund please.", "questions": questions}
+    model.calibration = calibration
+    try:
+        with TestClient(create_app(model)) as client:
+            deadline = time.monotonic() + 30
+            while (health := client.get("/health")).status_code != 200:  # warming up
+                assert time.monotonic() < deadline, health.json()
+                time.sleep(0.01)
+            assert health.json()["calibration"]["sha256"] == calibration.digest[:16]
+            body = client.post("/v1/systemone", json=request).json()
+            assert body["calibration"] == {"sha256": calibration.digest[:16], "temperatures": {"refund": 0.05, "team": 0.2}}
+        with running_server(create_app(model)) as base_url, typesafe_sdk.TypeSafeClient(
+            api_key="unused", base_url=base_url, model="clef-flash", retry=typesafe_sdk.RetryPolicy(max_retries=0)
+        ) as sdk:
+            asked = {
+                "refund": typesafe_sdk.Noul(instructions="Does the customer ask for a refund?"),
+                "team": typesafe_sdk.Choice(instructions="Which team?", criteria={"billing": "Charges", "technical": None}),
+            }
+            result = sdk.system_one(state=request["state"], questions=asked)
+        assert result.nouls["refund"].noul == body["answers"]["refund"]["noul"]
+        assert result.choices["team"].probabilities == body["answers"]["team"]["probabilities"]
+    finally:
+        model.calibration = None
