@@ -378,3 +378,16 @@ def test_served_answers_say_they_are_calibrated_and_the_official_client_reads_th
         assert result.choices["team"].probabilities == body["answers"]["team"]["probabilities"]
     finally:
         model.calibration = None
+
+
+def test_batch_records_the_calibration_and_refuses_to_resume_with_another(fitted, distorted, tiny_dir, tmp_path, capsys):
+    first = fitted[0].save(tmp_path / "first.json")
+    other = Calibration({None: {"team": 2.0}}).save(tmp_path / "other.json")
+    requests = write_jsonl(tmp_path / "requests.jsonl", requests_of(distorted, 3))
+    argv = ["batch", str(requests), str(tmp_path / "answers.jsonl"), "--model", str(tiny_dir), "--precision", "fp32"]
+    assert main([*argv, "--calibration", str(first)]) == 0
+    lines = [json.loads(line) for line in (tmp_path / "answers.jsonl").read_text().splitlines()]
+    assert [line["calibration"]["sha256"] for line in lines] == [fitted[0].digest[:16]] * 3
+    capsys.readouterr()
+    assert main([*argv, "--calibration", str(other)]) == 2  # a resumed job never mixes calibrations
+    assert f"calibration {fitted[0].digest[:16]}" in capsys.readouterr().err
