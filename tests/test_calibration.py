@@ -39,7 +39,7 @@ from clef_flash.request.protocol import SystemOneResponse
 from clef_flash.testing.calibration import QUESTIONS, distorted_labelled_set, write_jsonl
 
 TRUE_TEMPERATURES = {"urgent": 0.02, "team": 0.15, "level": 0.05}
-RECORDS = 300
+RECORDS = 240
 RARE = {"type": "noul", "instructions": "Is it about a refund?"}  # labelled on RARE_LABELS records only: kept at T = 1
 RARE_LABELS = 12
 
@@ -292,20 +292,20 @@ def test_per_adapter_temperatures(distorted, tiny_dir, tmp_path, module_tmp):
 
     model.calibration = read_calibration(path)
     request = requests_of(small, 1)[0]
-    for adapter in (None, "a"):
-        asked = {**request, "adapter": adapter} if adapter else request
+    for name in (None, "a"):
+        asked = {**request, "adapter": name} if name else request
         logits, answer = model.logits(asked), model.answer(asked, decimals=None)
         for question in TRUE_TEMPERATURES:
-            temperature = calibration.temperature(adapter, question)
+            temperature = calibration.temperature(name, question)
             assert answer["calibration"]["temperatures"][question] == temperature
             expected = dict(zip(logits[question], tempered(list(logits[question].values()), temperature)))
             assert option_probabilities(answer["answers"][question]) == pytest.approx(
                 {option: expected[option] for option in option_probabilities(answer["answers"][question])}, abs=1e-12
             )
 
-    other = write_random_adapter(module_tmp("other") / "checkpoint-1", "tiny", rank=4, seed=2)
+    edit(path, lambda value: value["fitted_on"]["model"]["adapters"].update(a="0" * 64))  # as if fitted for another "a"
     with pytest.raises(CalibrationError, match="was fitted for another adapter named 'a'"):
-        clef_flash.load(tiny_dir, adapters={"a": other}, precision="fp32", calibration=path)
+        clef_flash.load(tiny_dir, adapters={"a": adapter}, precision="fp32", calibration=path)
 
 
 def test_every_model_option_reaches_load_and_ray_workers(fitted, tiny_dir, tmp_path):
