@@ -605,6 +605,7 @@ def test_serve_command(model, monkeypatch, capsys):
             "segment_tokens": None,  # load's default (2048)
             "graphs": None,  # load's default (lazy capture on a GPU)
             "coreml_runner": None,
+            "calibration": None,  # no fitted temperatures: the model's own probabilities
             "max_length": 512,
         },
     )

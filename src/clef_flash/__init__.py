@@ -11,6 +11,7 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 from .errors import (  # noqa: E402
     BundleError,
+    CalibrationError,
     ClefError,
     InferenceError,
     ModelSourceError,
@@ -35,6 +36,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "BundleError",
+    "CalibrationError",
     "Clef",
     "ClefError",
     "EncodedQuestion",

@@ -1,8 +1,9 @@
 """`Clef`, the facade: a loaded model as the protocol sees it. Build one with `clef_flash.load(source)`.
 
-It owns requests: parse, encode (and truncate), score through the engine, and shape the System One
-answers. Everything above it (server, batch, eval, bench, Ray, the CLI) is written against it once, for
-every backend. What runs the tensors is the engine's backend (engine/); how, the plan (plan.py).
+It owns requests: parse, encode (and truncate), score through the engine, temper the probabilities when a
+calibration is loaded (calibration.py), and shape the System One answers. Everything above it (server, batch, eval,
+bench, Ray, the CLI) is written against it once, for every backend. What runs the tensors is the engine's backend
+(engine/); how, the plan (plan.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 import torch
 
+from .calibration import Calibration
 from .checkpoint import Checkpoint
 from .engine import Engine, QuestionResult, Timings
 from .plan import Plan
@@ -78,9 +80,12 @@ class Encoder:
 class Clef(Encoder):
     """A loaded clef-flash model: requests in, System One answers out."""
 
-    def __init__(self, checkpoint: Checkpoint, engine: Engine, *, max_length: int | None = DEFAULT_MAX_LENGTH):
+    def __init__(
+        self, checkpoint: Checkpoint, engine: Engine, *, max_length: int | None = DEFAULT_MAX_LENGTH, calibration: Calibration | None = None
+    ):
         super().__init__(checkpoint, max_length=max_length)
         self.engine = engine
+        self.calibration = calibration  # temperatures per adapter and question (None: the model's own probabilities)
         self.model_name = DEFAULT_MODEL_NAME
         self.last_timings = Timings()
         self.last_records: list[EncodedRecord] = []  # the last call's records (a truncated state's counts)
@@ -159,7 +164,10 @@ class Clef(Encoder):
 
     def describe(self) -> dict[str, Any]:
         """What /health and `info` say of the loaded model beyond its identity."""
-        return {"plan": self.plan.describe(), "state_reuse": self.state_reuse, **self.engine.backend.describe()}
+        described = {"plan": self.plan.describe(), "state_reuse": self.state_reuse, **self.engine.backend.describe()}
+        if self.calibration is not None:
+            described["calibration"] = self.calibration.describe()
+        return described
 
     @property
     def adapters(self) -> list[str]:
@@ -172,6 +180,12 @@ class Clef(Encoder):
         """The adapter a request that names none gets (None: the base model)."""
         loaded = getattr(self.engine.backend, "adapters", None)
         return None if loaded is None else loaded.default
+
+    @property
+    def adapter_fingerprints(self) -> dict[str, str]:
+        """Each loaded adapter's fingerprint (sha256 over its files): what a calibration fitted for it records."""
+        loaded = getattr(self.engine.backend, "adapters", None)
+        return {} if loaded is None else {name: item.fingerprint for name, item in loaded.adapters.items()}
 
     def adapter_for(self, name: str | None) -> str | None:
         """The adapter a request's `adapter` field (None: left out) resolves to; RequestInvalid when not loaded."""
@@ -198,8 +212,12 @@ class Clef(Encoder):
         return prepared
 
     def respond(self, prepared: Prepared, results: Sequence[QuestionResult], *, decimals: int | None = 4) -> dict[str, Any]:
-        """The System One body of a prepared request from its scored questions."""
-        return prepared.respond(results, default_model=self.model_name, decimals=decimals)
+        """The System One body of a prepared request from its scored questions; with a calibration loaded, its
+        `calibration` field (clef-flash's own, additive) names the file and each question's temperature."""
+        body = prepared.respond(results, default_model=self.model_name, decimals=decimals)
+        if self.calibration is not None:
+            body["calibration"] = self.calibration.note(results)
+        return body
 
     # -- inference -------------------------------------------------------------------------
 
@@ -209,18 +227,25 @@ class Clef(Encoder):
 
     @torch.inference_mode()
     def score(self, records: Sequence[EncodedRecord], timings: Timings | None = None) -> list[list[QuestionResult]]:
-        """Logits and probabilities for every question of every encoded record (engine/core.py)."""
-        return self.engine.score(records, timings)
+        """Logits and probabilities for every question of every encoded record (engine/core.py); with a calibration
+        loaded, the probabilities are softmax(logits / T) with each record's adapter's T per question (the logits
+        stay the model's)."""
+        results = self.engine.score(records, timings)
+        if self.calibration is None:
+            return results
+        return [self.calibration.apply(record.adapter, per_question) for record, per_question in zip(records, results, strict=True)]
 
     # -- the public API of SPEC §7 ------------------------------------------------------------
 
     def logits(self, request: Any) -> dict[str, dict[str, float]]:
-        """Unrounded logits per question and option (options in the model's order)."""
+        """Unrounded logits per question and option (options in the model's order): the model's own, before a
+        calibration's temperature."""
         (results,) = self._run([request])[1]
         return {result.question_id: dict(zip(result.option_ids, result.logits)) for result in results}
 
     def probabilities(self, request: Any) -> dict[str, dict[str, float]]:
-        """Unrounded float32 softmax probabilities per question and option."""
+        """Unrounded float32 softmax probabilities per question and option (float64 softmax(logits / T) for a question
+        a loaded calibration tempers)."""
         (results,) = self._run([request])[1]
         return {result.question_id: dict(zip(result.option_ids, result.probabilities)) for result in results}
 

@@ -9,7 +9,8 @@
     clef-flash batch IN OUT --model SRC       JSONL requests (or states + --schema) to JSONL answers; resumable;
                                               --ray: on a Ray cluster (Ray Data), the same output
     clef-flash eval agreement REQUESTS        --model A vs --against-model B: answers that differ, |dp|, near-ties
-    clef-flash eval labelled FILE --model SRC accuracy, macro-F1, log-loss, Brier, ECE, a reliability diagram
+    clef-flash eval labelled FILE --model SRC accuracy, macro-F1, log-loss, Brier, ECE, a reliability diagram;
+                                              --fit-calibration OUT: a temperature per question, for --calibration OUT
     clef-flash bench [--random NAME]          latency percentiles, records/s, tokens/s, peak RSS
     clef-flash convert SRC DST                a release to an 8-bit bundle (memory-mapped, int8 smoothed and rotated)
     clef-flash export coreml SRC DST          the Core ML packages of a release or bundle (runs on macOS)
@@ -30,6 +31,7 @@ from typing import Sequence
 
 from .coreml import DEFAULT_BUCKETS, HEAD_OPTIONS, HEAD_QUESTIONS
 from .errors import ClefError, RequestInvalid
+from .evaluate import DEFAULT_HOLDOUT, DEFAULT_MIN_EXAMPLES
 from .cli_commands import (
     SetName,
     command_answer,
@@ -50,6 +52,7 @@ from .cli_commands import (
 )
 from .cli_options import (
     ADAPTER,
+    CALIBRATION,
     LOG_LEVELS,
     MODEL_OPTIONS,
     OVERWRITE,
@@ -61,6 +64,7 @@ from .cli_options import (
     Arg,
     arg,
     bucket_list,
+    fraction,
     max_length,
     positive_int,
     positive_ints,
@@ -98,6 +102,14 @@ EVALUATIONS = (
         arg("file", help="JSONL of labelled requests"),
         *MODEL_OPTIONS,
         arg("--out", help="write report.json, report.md and reliability.png into this directory"),
+        arg("--fit-calibration", metavar="OUT", help="fit a temperature per question (and per --adapter, beside the base) on the "
+            "file less a held-out share, write them to OUT (JSON; answer with --calibration OUT) and report the held-out "
+            "accuracy, log-loss, Brier and ECE before and after"),
+        arg("--holdout", type=fraction, default=DEFAULT_HOLDOUT,
+            help=f"with --fit-calibration: the share of records held out (default {DEFAULT_HOLDOUT})"),
+        arg("--seed", type=int, default=0, help="with --fit-calibration: the seed of the held-out draw (default 0)"),
+        arg("--min-examples", type=positive_int, default=DEFAULT_MIN_EXAMPLES, metavar="N", help="with --fit-calibration: a "
+            f"question with fewer labelled answers in the fitting part keeps T = 1 (default {DEFAULT_MIN_EXAMPLES})"),
     ), description='Each line is a System One request plus "expected": {question_id: label}: a choice label, true/false for '
             "noul, a level index or level text for score. Questions without a label are not scored."),
 )
@@ -128,7 +140,7 @@ EXPORTS = (
 COMMANDS = (
     Command("info", "this machine: CPU features, torch build and threads, the probe's rates, the default precision and why",
             command_info, (arg("--json", action="store_true", help="print one JSON object"), arg("--reprobe", action="store_true", help="measure the rates again instead of reading the cached probe"),
-                           *SOURCE, ADAPTER)),
+                           *SOURCE, ADAPTER, CALIBRATION)),
     Command("tiny", "write a random release with the real vocabulary (for smoke tests)", command_tiny, (
         arg("dir", help="output directory"),
         arg("--config", default="tiny", help=f"named random config: {RANDOM_NAMES} (default tiny)"),

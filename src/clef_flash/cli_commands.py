@@ -294,6 +294,10 @@ def command_batch(args: argparse.Namespace) -> int:
         plan = resolve_plan(args.model, device=args.device, precision=args.precision, revision=args.revision, coreml_runner=args.coreml_runner)
         precision = plan.name
     made_with = {"source": args.model, "revision": args.revision, "precision": precision, "max_length": args.max_length}
+    if args.calibration:  # (only then: a job started before calibrations existed resumes)
+        from .calibration import read_calibration
+
+        made_with["calibration"] = read_calibration(args.calibration).digest[:16]
     schemas = [schema_file(item) for item in args.schema] if args.schema else None
     job = BatchJob.open(args.input, args.output, schema_path=schemas, model=made_with, overwrite=args.overwrite)
     total = job.total()
@@ -341,6 +345,8 @@ def command_eval_labelled(args: argparse.Namespace) -> int:
     from .evaluate import evaluate_labelled, labelled_markdown
     from .plots import reliability_figure
 
+    if args.fit_calibration:
+        return command_fit_calibration(args)
     if args.adapter:  # the base and the tuned model side by side, from one copy of the base
         from .evaluate import base_vs_tuned_markdown, evaluate_base_vs_tuned
         from .loader import side_by_side
@@ -355,6 +361,24 @@ def command_eval_labelled(args: argparse.Namespace) -> int:
     return 0
 
 
+def command_fit_calibration(args: argparse.Namespace) -> int:
+    """eval labelled --fit-calibration: every --adapter kept apart beside the base, each fitted on every line."""
+    from .evaluate import calibration_markdown, fit_calibration
+    from .loader import adapter_options, named_paths
+    from .plots import calibration_figure
+
+    if args.calibration:
+        raise ClefError("--fit-calibration fits on the model's own probabilities: leave out --calibration")
+    named, args.adapter = named_paths(adapter_options(args.adapter)), None
+    model = load_model(args, adapters=named or None)
+    fitting = {"holdout": args.holdout, "seed": args.seed, "min_examples": args.min_examples}
+    calibration, report = fit_calibration(args.file, model, adapters=[None, *named] if named else None, **fitting)
+    calibration.save(args.fit_calibration)
+    write_report(args, report, calibration_markdown(report), ("reliability.png", lambda: calibration_figure(report)))
+    print(f"wrote the calibration to {args.fit_calibration} (sha256 {calibration.digest[:16]}): answer with --calibration {args.fit_calibration}", file=sys.stderr)
+    return 0
+
+
 def command_info(args: argparse.Namespace) -> int:
     from .machine import report
 
@@ -363,6 +387,10 @@ def command_info(args: argparse.Namespace) -> int:
         from .loader import describe_adapters
 
         measured["adapters"] = describe_adapters(args.model, args.adapter, revision=args.revision)
+    if args.calibration:  # checked against --model's config, no weights loaded
+        from .loader import describe_calibration
+
+        measured["calibration"] = describe_calibration(args.model, args.calibration, revision=args.revision)
     print(json.dumps(measured, indent=2) if args.json else format_machine(measured))
     return 0
 

@@ -41,6 +41,13 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value < 1:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, e.g. 0.3; got {text}")
+    return value
+
+
 def positive_ints(text: str) -> list[int]:
     """`4` or `1,2,4,8`."""
     return [positive_int(part) for part in text.split(",") if part.strip()]
@@ -134,6 +141,8 @@ MODEL_OPTIONS = (
     ADAPTER := arg("--adapter", action="append", metavar="[NAME=]DIR", help="a clef-finetune checkpoint (adapter/ + "
         "joint_head.safetensors) run beside the base: DIR answers as the fine-tune; NAME=DIR (repeat it for many) answers the "
         "requests whose 'adapter' field is NAME, the others get the base. eval labelled: the base and the tuned model side by side"),
+    CALIBRATION := arg("--calibration", metavar="FILE", help="temperatures fitted by `eval labelled --fit-calibration`: each "
+        "question they name answers softmax(logits / T) (decisions unchanged), and every response says so in its 'calibration' field"),
 )
 MODEL_OPTION_NAMES = tuple(option.dest for option in MODEL_OPTIONS)
 

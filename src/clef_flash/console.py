@@ -50,6 +50,17 @@ def format_timings(timings: dict[str, float]) -> str:
     return "  ".join(f"{name.removesuffix('_ms')} {value:.1f} ms" for name, value in timings.items() if name.endswith("_ms"))
 
 
+def calibration_lines(described: dict[str, Any]) -> list[str]:
+    """A calibration's lines in `info` (calibration.Calibration.describe)."""
+    fitted = described["fitted_on"]
+    on = ", ".join(f"{key} {fitted[key]}" for key in ("file", "records", "source", "precision", "created") if key in fitted)
+    sides = {"base": described["base_questions"], **described.get("adapter_questions", {})}
+    return [
+        f"calibration  {described.get('path', '')} (sha256 {described['sha256']}), fitted on {on or 'unknown'}",
+        *(f"             {side}: {len(questions)} questions tempered ({', '.join(questions) or 'none'})" for side, questions in sides.items()),
+    ]
+
+
 def format_machine(report: dict[str, Any]) -> str:
     """`clef-flash info`'s lines from machine.py's `report`."""
     here, probe, shape = report["machine"], report["probe"], report["probe"]["shape"]
@@ -70,6 +81,7 @@ def format_machine(report: dict[str, Any]) -> str:
         ),
         *(f"adapter      {item['name']}: rank {item['rank']}, {item['projections']} projections, {item['bytes'] / 2**20:.1f} MiB "
           f"({item['path']})" for item in report.get("adapters", [])),
+        *(calibration_lines(report["calibration"]) if "calibration" in report else ()),
     ]
     return "\n".join(lines)
 

@@ -5,6 +5,7 @@
     │   └── RecordTooLong       a record over max_length tokens (HTTP 422)
     ├── ModelSourceError        a model source that cannot be found or opened
     ├── QuestionSetError        a saved question set that does not exist or cannot be read (HTTP 404)
+    ├── CalibrationError        a calibration file that cannot be read, of an unknown format or version, or for another model
     ├── WeightsError            missing / unexpected / misshapen tensors in a release or bundle
     │   └── BundleError         a converted bundle that is incomplete, altered or of unknown format
     └── InferenceError          the model failed on a valid request (HTTP 5xx)
@@ -88,6 +89,11 @@ class ModelSourceError(ClefError):
 
 class QuestionSetError(ClefError):
     """A saved question set (`clef-flash sets`) that does not exist, or whose file cannot be read."""
+
+
+class CalibrationError(ClefError):
+    """A calibration file (`eval labelled --fit-calibration`) that is missing, malformed, of a format version we do
+    not read, or fitted on another model."""
 
 
 class WeightsError(ClefError):

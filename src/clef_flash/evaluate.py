@@ -5,6 +5,9 @@
   many of the differing answers were near-ties (the reference's top-2 margin under `near_tie`).
 - `labelled_report(predictions)`: accuracy, macro-F1, log-loss, Brier, ECE and the reliability bins,
   overall and per question, and the reliability bins that `plots.reliability_figure` draws.
+- `fit_calibration(path, model)`: a temperature per question id and adapter fitted on a labelled file, less a
+  seeded held-out share on which the report compares accuracy, log-loss, Brier and ECE before and after
+  (calibration.py holds the math and the file).
 
 Labelled files are JSONL: each line a System One request plus `"expected": {question_id: label}`,
 with a choice's label, `true` / `false` (or "true" / "false") for noul, and a score's level index
@@ -14,8 +17,11 @@ The metrics are pure functions of `Prediction`s; everything with a model is in `
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import math
+import random
 import statistics
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -26,9 +32,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .batch import read_jsonl
+from .calibration import Calibration, at_bound, calibrated, fit_temperature, logits_vary
 from .errors import ClefError, RequestInvalid
 from .request.protocol import parse_request
-from .request.records import question_options
+from .request.records import EncodedRecord, question_options
 
 if TYPE_CHECKING:
     from .clef import Clef
@@ -42,21 +49,36 @@ LOG_LOSS_FLOOR = 1e-15  # p(truth) is clipped here so that a confident miss cost
 # -- reading and scoring -------------------------------------------------------------------------
 
 
-def score_requests(model: Clef, lines: Sequence[tuple[int, Any]], *, where: str) -> list[list[QuestionResult]]:
-    """Unrounded probabilities per question of every request, batched; an invalid one names its line."""
+def prepare_requests(model: Clef, lines: Sequence[tuple[int, Any]], *, where: str) -> list[EncodedRecord]:
+    """Every request encoded, with its adapter (the request's, else the model's default); an invalid one names its line."""
     records = []
     for number, request in lines:
         try:
-            records.append(model.prepare(request).record)  # with its adapter (the request's, else the model's default)
+            records.append(model.prepare(request).record)
         except RequestInvalid as error:
             raise ClefError(f"{where} line {number}: {error}") from error
-    return model.score(records)
+    return records
+
+
+def score_requests(model: Clef, lines: Sequence[tuple[int, Any]], *, where: str) -> list[list[QuestionResult]]:
+    """Unrounded probabilities per question of every request, batched; an invalid one names its line."""
+    return model.score(prepare_requests(model, lines, where=where))
+
+
+def with_adapter(lines: Sequence[tuple[int, Any]], name: str | None) -> list[tuple[int, Any]]:
+    """The lines with their `adapter` field set to `name` (None: left out, the model's default answers)."""
+    return [
+        (number, {**request, "adapter": name} if name else {key: value for key, value in request.items() if key != "adapter"})
+        for number, request in lines
+    ]
 
 
 def describe_model(model: Clef) -> dict[str, Any]:
     described = {"source": model.source, "precision": model.precision, "random": model.is_random}
     if model.adapters:
         described["adapters"] = model.adapters
+    if model.calibration is not None:
+        described["calibration"] = model.calibration.digest[:16]
     return described
 
 
@@ -96,7 +118,7 @@ def evaluate_base_vs_tuned(path: str | Path, model: Clef, adapter: str) -> dict[
     lines, expected = read_labelled(path)
     reports = {}
     for side, name in (("base", None), ("tuned", adapter)):
-        sided = [(number, {**request, "adapter": name} if name else {k: v for k, v in request.items() if k != "adapter"}) for number, request in lines]
+        sided = with_adapter(lines, name)
         results = score_requests(model, sided, where=str(path))
         reports[side] = labelled_report(predictions_of(sided, expected, results))
     return {"file": str(path), "model": describe_model(model), "adapter": adapter, "records": len(lines), **reports}
@@ -228,6 +250,7 @@ class Prediction:
     options: tuple[str, ...]  # option ids in the model's order
     probabilities: tuple[float, ...]
     truth: int  # index into options
+    logits: tuple[float, ...] = ()  # the model's (what a calibration's temperature divides)
 
     @property
     def predicted(self) -> int:
@@ -296,6 +319,7 @@ def predictions_of(
                         result.option_ids,
                         result.probabilities,
                         result.option_ids.index(labels[result.question_id]),
+                        result.logits,
                     )
                 )
     return predictions
@@ -420,6 +444,156 @@ def labelled_markdown(report: dict[str, Any]) -> str:
         for b in report["reliability"]
         if b["count"]
     ]
+    return "\n".join(lines) + "\n"
+
+
+# -- fitted calibration --------------------------------------------------------------------------
+
+DEFAULT_HOLDOUT = 0.3  # the share of a labelled file's records held out of the fit, to measure it on
+DEFAULT_MIN_EXAMPLES = 20  # labelled answers a question needs in the fitting part for a temperature of its own
+
+
+def held_out_lines(count: int, holdout: float, seed: int, *, where: str) -> set[int]:
+    """The positions of the held-out records: the first round(holdout * count) of a seeded shuffle, at least one on
+    each side. Records, not questions, are split: a record's questions share its state."""
+    if not 0 < holdout < 1:
+        raise ClefError(f"the held-out share is a fraction between 0 and 1 (e.g. 0.3), not {holdout}")
+    held = round(holdout * count)
+    if not 0 < held < count:
+        raise ClefError(f"{where} has {count} records: too few to hold {holdout:g} of them out and fit on the rest; label more")
+    order = list(range(count))
+    random.Random(seed).shuffle(order)
+    return set(order[:held])
+
+
+def tempered_prediction(prediction: Prediction, temperature: float) -> Prediction:
+    """The prediction as a calibration answers it (calibration.calibrated; T = 1: the model's own probabilities)."""
+    if temperature == 1.0:
+        return prediction
+    return dataclasses.replace(prediction, probabilities=calibrated(prediction.logits, prediction.probabilities, temperature))
+
+
+def fit_questions(samples: Sequence[tuple[bool, Prediction]], min_examples: int) -> tuple[dict[str, float], dict[str, dict[str, Any]]]:
+    """One adapter's temperatures from its (held out?, prediction) samples: fitted on the fitting part per question id,
+    and a row per question id (its type, T, examples on each side, why it kept T = 1 or sits at a bound)."""
+    by_question: dict[str, list[tuple[bool, Prediction]]] = defaultdict(list)
+    for held, prediction in samples:
+        by_question[prediction.question].append((held, prediction))
+    fitted, rows = {}, {}
+    for question, group in by_question.items():
+        fit = [prediction for held, prediction in group if not held]
+        row: dict[str, Any] = {"type": group[0][1].question_type, "fit_examples": len(fit), "held_out_examples": len(group) - len(fit)}
+        if len(fit) < min_examples:
+            row.update(temperature=1.0, note=f"kept at 1: {len(fit)} fitting examples, fewer than {min_examples}")
+        elif not logits_vary([prediction.logits for prediction in fit]):
+            row.update(temperature=1.0, note="kept at 1: its options' logits never differ")
+        else:
+            fitted[question] = fit_temperature([prediction.logits for prediction in fit], [prediction.truth for prediction in fit])
+            row.update(temperature=fitted[question], note="at the search's bound" if at_bound(fitted[question]) else None)
+        rows[question] = row
+    return fitted, rows
+
+
+def fit_calibration(
+    path: str | Path,
+    model: Clef,
+    *,
+    adapters: Sequence[str | None] | None = None,
+    holdout: float = DEFAULT_HOLDOUT,
+    seed: int = 0,
+    min_examples: int = DEFAULT_MIN_EXAMPLES,
+) -> tuple[Calibration, dict[str, Any]]:
+    """A temperature per question id and adapter, fitted on a labelled file's fitting part (minimum mean negative
+    log-likelihood, calibration.fit_temperature), and the report: accuracy, log-loss, Brier and ECE before and after on
+    its held-out part (a seeded `holdout` share of its records), with the reliability bins of each.
+
+    `adapters`: None: each line as the model answers it (its `adapter` field, else the model's default); a list: every
+    line by each of them (None: the base), the lines' own field replaced. Temperatures are keyed by the adapter that
+    answered. A question with fewer than `min_examples` labelled answers in the fitting part keeps T = 1 (said in its
+    row), as does one whose logits never differ."""
+    if model.calibration is not None:
+        raise ClefError("a calibration is fitted on the model's own probabilities: load the model without one")
+    lines, expected = read_labelled(path)
+    held = held_out_lines(len(lines), holdout, seed, where=str(path))
+    samples: dict[str | None, list[tuple[bool, Prediction]]] = defaultdict(list)
+    for sided in [lines] if adapters is None else [with_adapter(lines, name) for name in adapters]:
+        records = prepare_requests(model, sided, where=str(path))
+        for position, (line, labels, record, results) in enumerate(zip(sided, expected, records, model.score(records), strict=True)):
+            samples[record.adapter] += [(position in held, prediction) for prediction in predictions_of([line], [labels], [results])]
+    temperatures, sides = {}, []
+    for adapter, side in samples.items():
+        temperatures[adapter], rows = fit_questions(side, min_examples)
+        before = [prediction for held_out, prediction in side if held_out]
+        after = [tempered_prediction(prediction, temperatures[adapter].get(prediction.question, 1.0)) for prediction in before]
+        compared = {"before": labelled_report(before), "after": labelled_report(after)} if before else {"before": None, "after": None}
+        sides.append({"adapter": adapter, "temperatures": rows, **compared})
+    fitted_model = {
+        "source": model.source,
+        "precision": model.precision,
+        "fingerprint": model.checkpoint.fingerprint,
+        "weights_fingerprint": model.checkpoint.weights_fingerprint,
+        "adapters": {name: fingerprint for name, fingerprint in model.adapter_fingerprints.items() if temperatures.get(name)},
+    }
+    fitted_on = {
+        "file": Path(path).name,
+        "sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest(),
+        "records": len(lines),
+        "held_out_records": len(held),
+        "holdout": holdout,
+        "seed": seed,
+        "min_examples": min_examples,
+        "model": fitted_model,
+    }
+    calibration = Calibration.fitted(temperatures, fitted_on)
+    report = {
+        "file": str(path),
+        "model": describe_model(model),
+        "records": len(lines),
+        "fit_records": len(lines) - len(held),
+        "held_out_records": len(held),
+        "holdout": holdout,
+        "seed": seed,
+        "min_examples": min_examples,
+        "calibration": calibration.digest[:16],
+        "sides": sides,
+    }
+    return calibration, report
+
+
+def calibration_markdown(report: dict[str, Any]) -> str:
+    """Per adapter: the temperatures, then the held-out figures before -> after and the reliability bins of each."""
+    split = f"{report['fit_records']} to fit, {report['held_out_records']} held out (share {report['holdout']:g}, seed {report['seed']})"
+    about = f"model: {model_label(report['model'])}; {report['records']} records from {report['file']}: {split}"
+    lines = ["# clef-flash eval: fitted calibration", "", f"{about}; calibration sha256 {report['calibration']}"]
+    for side in report["sides"]:
+        name = "the base model" if side["adapter"] is None else f"adapter {side['adapter']!r}"
+        lines += ["", f"## {name}", "", "| question | type | temperature | fitting examples | held-out examples | note |", "|---|---|---:|---:|---:|---|"]
+        lines += [
+            f"| {question} | {row['type']} | {row['temperature']:.4g} | {row['fit_examples']} | {row['held_out_examples']} | {row['note'] or ''} |"
+            for question, row in side["temperatures"].items()
+        ]
+        before, after = side["before"], side["after"]
+        if before is None:
+            lines += ["", "No held-out record has a label for it: nothing to compare."]
+            continue
+        lines += [
+            "",
+            "Held out, before -> after (a temperature never changes a decision: accuracy stays):",
+            "",
+            "| question | n | accuracy | log-loss | Brier | ECE (10 bins) |",
+            "|---|---:|---|---|---|---|",
+        ]
+        rows = [("overall", before, after)] + [(question, before["by_question"][question], row) for question, row in after["by_question"].items()]
+        for question, was, now in rows:
+            figures = " | ".join(f"{was[metric]:.4f} -> {now[metric]:.4f}" for metric in ("accuracy", "log_loss", "brier", "ece"))
+            lines.append(f"| {question} | {now['questions']} | {figures} |")
+        lines += ["", "| confidence | n before | mean confidence | accuracy | n after | mean confidence | accuracy |", "|---|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            f"| {was['lower']:.1f}–{was['upper']:.1f} | {was['count']} | {was['confidence']:.4f} | {was['accuracy']:.4f} "
+            f"| {now['count']} | {now['confidence']:.4f} | {now['accuracy']:.4f} |"
+            for was, now in zip(before["reliability"], after["reliability"], strict=True)
+            if was["count"] or now["count"]
+        ]
     return "\n".join(lines) + "\n"
 
 

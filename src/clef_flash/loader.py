@@ -6,6 +6,7 @@
     load(EXPORT, coreml_runner="torch")  the export's traced fp32 twins standing in for Core ML (anywhere)
     resolve_plan(source, ...)            the plan `load` would run in, nothing built (batch's progress file)
     open_encoder(source)                 requests to token ids and spans, no weights (`clef-flash render`)
+    load(..., calibration=FILE)          answers through fitted temperatures (calibration.py)
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Mapping
 
 import torch
 
+from .calibration import Calibration, as_calibration
 from .checkpoint import Checkpoint, open_checkpoint
 from .checkpoint.adapters import adapter_name_of, adapter_options, named_paths, read_adapters, side_by_side
 from .coreml.host import Runner
@@ -97,6 +99,13 @@ def describe_adapters(source: str | os.PathLike[str], values: list[str], *, revi
     return [item.describe() for item in read_adapters(open_checkpoint(source, revision=revision), paths).values()]
 
 
+def describe_calibration(source: str | os.PathLike[str], path: str | os.PathLike[str], *, revision: str | None = None) -> dict[str, Any]:
+    """The command line's `--calibration` file read and checked against `source`'s config, no weights loaded (`info`)."""
+    calibration = as_calibration(path)
+    calibration.check_model(open_checkpoint(source, revision=revision).fingerprint)
+    return calibration.describe()
+
+
 def open_encoder(source: str | os.PathLike[str] = "tiny", *, revision: str | None = None, max_length: int | None = None) -> Encoder:
     """What `load(source)` encodes requests with (its tokenizer and processors), without loading any weights."""
     return Encoder(open_checkpoint(source, revision=revision), max_length=max_length)
@@ -119,6 +128,7 @@ def load(
     adapters: Mapping[str, str | os.PathLike[str]] | None = None,
     plan: Plan | None = None,
     graphs: str | None = None,
+    calibration: str | os.PathLike[str] | Calibration | None = None,
 ) -> Clef:
     """Load a model: a release or bundle directory, a Core ML export, a Hugging Face repo id, "tiny" (a
     generated random release) or "random:NAME[:SEED]" (random weights drawn in memory; names in RANDOM_CONFIGS).
@@ -144,6 +154,9 @@ def load(
     directory, loaded beside one copy of the base; a request picks one by its `adapter` field (left out: the
     `adapter` given here, else the base). Strict: an adapter for another base, without its head, or with a PEFT
     option that is not plain LoRA is refused (checkpoint/adapters.py).
+    `calibration`: a file of fitted temperatures (`clef-flash eval labelled FILE --fit-calibration OUT`; or a
+    `Calibration`): each question it names answers softmax(logits / T), the decision unchanged, and every response
+    carries a `calibration` field (calibration.py). Read and checked against the model before any weights load.
     """
     from .engine.coreml_backend import CoreMLBackend
     from .engine.torch_backend import TorchBackend
@@ -156,7 +169,10 @@ def load(
             raise ClefError(f"two adapters are named {default_adapter!r}: name the default one apart (adapters={{NAME: DIR}})")
         paths[default_adapter] = os.fspath(adapter)
 
+    calibrated = as_calibration(calibration)
     checkpoint = open_checkpoint(source, revision=revision, verify=verify)
+    if calibrated is not None:
+        calibrated.check_model(checkpoint.fingerprint)
     plan = plan or plan_of(checkpoint, device=device, precision=precision, coreml_runner=coreml_runner)
     if plan.backend == COREML:
         if paths:
@@ -164,6 +180,8 @@ def load(
         backend = CoreMLBackend(checkpoint, plan, runner=coreml_runner or "coreml", verify=verify)
     else:
         read = read_adapters(checkpoint, paths) if paths else None  # checked before the base is built
+        if calibrated is not None and read:
+            calibrated.check_model(checkpoint.fingerprint, {name: item.fingerprint for name, item in read.items()})
         resident_layers = resident_layers or plan.resident_layers  # the default streams what does not fit
         segment_tokens = DEFAULT_SEGMENT_TOKENS if segment_tokens is None else segment_tokens
         backend = TorchBackend(
@@ -180,4 +198,4 @@ def load(
     if batch_tokens is None:  # a forward's padded tokens: more on a GPU, where a bigger forward costs little more
         batch_tokens = GPU_BATCH_TOKENS if device_io.is_gpu(backend.plan.device) else DEFAULT_BATCH_TOKENS
     engine = Engine(backend, StateCache(int(cache_mb * MEBIBYTE), identity), batch_tokens=batch_tokens, keep_from_tokens=KEEP_FROM_TOKENS)
-    return Clef(checkpoint, engine, max_length=max_length)
+    return Clef(checkpoint, engine, max_length=max_length, calibration=calibrated)

@@ -2,6 +2,7 @@
 a title and a legend, and comes back as PNG bytes.
 
     reliability_figure(bins)     eval labelled: accuracy per confidence bin against the diagonal
+    calibration_figure(report)   eval labelled --fit-calibration: the held-out reliability before and after, per adapter
     agreement_figure(report)     eval agreement: the distribution of |dp| over every option
     bench_figure(results)        bench: latency percentiles and throughput by batch size
 
@@ -42,7 +43,28 @@ def reliability_figure(bins: Sequence[dict[str, float]]) -> Figure:
     """Accuracy per bin of the top probability (bars), the gap to the bin's mean confidence, and the
     diagonal a perfectly calibrated model would sit on."""
     figure = _figure()
-    axes = figure.add_subplot()
+    draw_reliability(figure.add_subplot(), bins, "Reliability diagram")
+    return figure
+
+
+def calibration_figure(report: dict[str, Any]) -> Figure:
+    """A row per adapter that has held-out labels (the base first, as fitted): its held-out reliability diagram
+    before the temperatures (left) and after (right), each titled with its ECE."""
+    sides = [side for side in report["sides"] if side["before"] is not None]
+    if not sides:
+        raise ClefError("no held-out record has a label: no reliability diagram to draw")
+    figure = _figure(11, 5.0 * len(sides))
+    for row, side in zip(figure.subplots(len(sides), 2, squeeze=False), sides):
+        name = "base" if side["adapter"] is None else f"adapter {side['adapter']}"
+        for axes, when in zip(row, ("before", "after")):
+            figures = side[when]
+            title = f"{name}, held out, {when} calibration: ECE {figures['ece']:.3f}, log-loss {figures['log_loss']:.3f}"
+            draw_reliability(axes, figures["reliability"], title)
+    return figure
+
+
+def draw_reliability(axes: Any, bins: Sequence[dict[str, float]], title: str) -> None:
+    """One reliability diagram on `axes` (see reliability_figure)."""
     used = [b for b in bins if b["count"]]
     lefts = [b["lower"] for b in used]
     widths = [b["upper"] - b["lower"] for b in used]
@@ -54,10 +76,9 @@ def reliability_figure(bins: Sequence[dict[str, float]]) -> Figure:
     for b in used:
         axes.annotate(f"n={b['count']}", (b["lower"] + (b["upper"] - b["lower"]) / 2, 0.01), ha="center", va="bottom", fontsize=7, color="white")
     axes.set(xlim=(0, 1), ylim=(0, 1), xlabel="confidence (top option's probability)", ylabel="accuracy")
-    axes.set_title("Reliability diagram")
+    axes.set_title(title, fontsize=10)
     axes.grid(alpha=0.3)
     axes.legend(loc="upper left")
-    return figure
 
 
 def agreement_figure(report: dict[str, Any]) -> Figure:

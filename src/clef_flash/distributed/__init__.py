@@ -72,6 +72,7 @@ class EngineSpec:
     weights_fingerprint: str | None = None
     plan_key: str | None = None  # the driver's whole plan (`Plan.key`: precision, W8A8 kernel, device): every engine's
     verify: bool = False  # each worker checks the weights' hashes as `load(verify=True)` does
+    calibration: Any = None  # a Calibration (its temperatures, read on the driver: no worker needs the file)
 
     @classmethod
     def resolve(cls, source: str, *, precision: str | None, device: str, revision: str | None = None, **options: Any) -> EngineSpec:
@@ -84,6 +85,11 @@ class EngineSpec:
         from ..loader import plan_of
 
         checkpoint = open_checkpoint(source, revision=revision)
+        if options.get("calibration") is not None:
+            from ..calibration import as_calibration
+
+            options["calibration"] = as_calibration(options["calibration"])
+            options["calibration"].check_model(checkpoint.fingerprint)
         plan = plan_of(
             checkpoint, device=torch.device(device), precision=precision, coreml_runner=options.get("coreml_runner"), for_workers=True
         )  # (the workers' GPUs: a head without one resolves their default as bf16, having no capability to read)
@@ -118,6 +124,7 @@ class EngineSpec:
                 ("resident_layers", self.resident_layers),
                 ("coreml_runner", self.coreml_runner),
                 ("graphs", self.graphs),
+                ("calibration", self.calibration),
             )
             if value is not None
         }

@@ -42,8 +42,9 @@ class Timings:
 class QuestionResult:
     question_id: str
     option_ids: tuple[str, ...]  # the model's order (choice labels sorted)
-    logits: tuple[float, ...]
+    logits: tuple[float, ...]  # the model's own, never tempered
     probabilities: tuple[float, ...]
+    temperature: float = 1.0  # a calibration's (calibration.py): probabilities = softmax(logits / temperature)
 
 
 class Backend(Protocol):

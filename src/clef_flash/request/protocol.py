@@ -613,12 +613,25 @@ class Usage(BaseModel):
     output_tokens: int = 0
 
 
+class CalibrationNote(BaseModel):
+    """clef-flash's own field: the answers went through fitted temperatures (calibration.py)."""
+
+    sha256: str = Field(description="The first 16 hex digits of the calibration file's sha256.")
+    temperatures: dict[str, float] = Field(
+        description="Each question's temperature T: its probabilities are softmax(logits / T); 1: the model's own. "
+        "A temperature never changes a decision, only its probabilities."
+    )
+
+
 class SystemOneResponse(BaseModel):
     """The response body (SPEC §6); `shape_response` builds it as a plain dict."""
 
     model: str
     answers: dict[str, Answer]
     usage: Usage
+    calibration: CalibrationNote | None = Field(
+        default=None, description="Present only when the server loaded a calibration (--calibration): the answers are calibrated."
+    )
 
 
 # --------------------------------------------------------------------------------------------
