@@ -117,7 +117,9 @@ def explanation_figure(body: dict[str, Any]) -> Figure:
     from matplotlib.patches import Patch
 
     questions = list(body["questions"].items())
-    labels = [part["label"] if len(part["label"]) <= 28 else part["label"][:27] + "…" for part in body["parts"]]
+    # a text's part by its words, any other by its label (a JSON path, images[0])
+    labels = [part["excerpt"] if part["kind"] in ("line", "sentence") else part["label"] for part in body["parts"]]
+    labels = [label if len(label) <= 32 else label[:31] + "…" for label in labels]
     height = 1.0 + 0.28 * len(labels)
     figure = _figure(6.5, max(2.5, height) * len(questions))
     for axes, (question_id, question) in zip(figure.subplots(len(questions), 1, squeeze=False)[:, 0], questions):
