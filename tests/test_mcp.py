@@ -77,7 +77,7 @@ def structured(result) -> dict:
 async def tour(client: Client, model) -> None:
     """What every transport must do: list the tools, answer as `Clef.answer`, refuse as the 422."""
     listed = {tool.name: tool for tool in (await client.list_tools()).tools}
-    assert list(listed) == ["decide", "classify", "triage"]
+    assert list(listed) == ["decide", "classify", "explain", "triage"]
     assert listed["decide"].input_schema == SystemOneRequest.model_json_schema()
     assert listed["decide"].output_schema == listed["triage"].output_schema == SystemOneResponse.model_json_schema()
     assert listed["classify"].input_schema["required"] == ["text", "labels"]
@@ -213,12 +213,12 @@ def test_a_set_saved_while_running_is_a_tool(model, tmp_path):
 
     async def main() -> None:
         async with Client(tools.server) as client:
-            assert [tool.name for tool in (await client.list_tools()).tools] == ["decide", "classify"]
+            assert [tool.name for tool in (await client.list_tools()).tools] == ["decide", "classify", "explain"]
             missing = await client.call_tool("triage", {"state": STATE})
             assert missing.is_error and "no question set named 'triage'" in structured(missing)["detail"]
             store.add("triage", TRIAGE)
             listed = await client.list_tools(cache_mode="refresh")
-            assert [tool.name for tool in listed.tools] == ["decide", "classify", "triage"]
+            assert [tool.name for tool in listed.tools] == ["decide", "classify", "explain", "triage"]
             answered = await client.call_tool("triage", {"state": STATE})
             assert structured(answered) == model.answer({"state": STATE, "questions": TRIAGE["questions"]})
 

@@ -1,5 +1,6 @@
 """The demo page in headless Chromium (Debian's `chromium`, driven by playwright; no browser download):
-load it, submit the pre-filled ticket, see three answers rendered, and keep a screenshot."""
+load it, submit the pre-filled ticket, see three answers rendered, and keep a screenshot; ask why, and see the
+ticket's sentences coloured by their contribution."""
 
 from __future__ import annotations
 
@@ -72,4 +73,38 @@ def test_demo_page_triages_the_prefilled_ticket(browser, base_url, tmp_path_fact
     page.click("#submit")
     page.wait_for_selector("#status:has-text('error 422')")
     assert "questions.team.criteria: a choice question needs 2 to 255 options; got 1" in page.inner_text("#answers .error")
+    page.close()
+
+
+def test_demo_page_highlights_the_parts_by_contribution(browser, base_url, tmp_path_factory):
+    page = browser.new_page(viewport={"width": 1360, "height": 1000})
+    errors: list[str] = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    page.goto(base_url + "/")
+    page.wait_for_selector("#model-info:has-text('ready')")
+    ticket = page.input_value("#ticket")
+    page.click("#explain")
+    page.wait_for_selector("#status:has-text('explained')", timeout=30_000)
+
+    parts = page.locator("#why-text .part")
+    assert parts.count() == 4  # the subject line, two sentences of the paragraph, the signature
+    assert page.inner_text("#why-text") == ticket  # the ticket as it is, its parts highlighted in place
+    assert parts.nth(0).inner_text() == "Subject: Charged twice for my annual plan"
+    before = [float(parts.nth(i).get_attribute("data-contribution")) for i in range(4)]
+    colours = [parts.nth(i).evaluate("node => getComputedStyle(node).backgroundColor") for i in range(4)]
+    strongest = max(range(4), key=lambda i: abs(before[i]))
+    assert colours[strongest].startswith("rgba(46, 139, 87" if before[strongest] >= 0 else "rgba(192, 57, 43"), colours
+    assert [option.inner_text() for option in page.locator("#why-question option").all()] == ["team", "urgency", "refund"]
+    page.select_option("#why-question", "refund")
+    after = [float(parts.nth(i).get_attribute("data-contribution")) for i in range(4)]
+    assert after != before and "→" in page.inner_text("#why-decision")
+    out = Path(tmp_path_factory.mktemp("demo")) / "why.png"
+    page.screenshot(path=str(out), full_page=True)
+    print(f"\nscreenshot: {out}")
+    assert not errors, errors
+
+    page.fill("#ticket", "One sentence only.")
+    page.click("#explain")
+    page.wait_for_selector("#status:has-text('error 422')")
+    assert "state: the state is one part" in page.inner_text("#answers .error")
     page.close()

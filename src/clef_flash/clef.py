@@ -16,9 +16,11 @@ from typing import Any
 
 import torch
 
+from . import explain
 from .calibration import Calibration
 from .checkpoint import Checkpoint
 from .engine import Engine, QuestionResult, Timings
+from .explain import ExplainJob, ExplainOptions, Explanation, explain_options
 from .plan import Plan
 from .request.answers import shape_response
 from .request.protocol import DEFAULT_MODEL_NAME, SystemOneRequest, parse_request
@@ -257,6 +259,38 @@ class Clef(Encoder):
         """System One response bodies for many requests, batched into as few forwards as fit."""
         prepared, results = self._run(requests, truncate_state=truncate_state)
         return [self.respond(item, per_question, decimals=decimals) for item, per_question in zip(prepared, results)]
+
+    # -- explanations (explain/) -------------------------------------------------------------
+
+    def explain(
+        self,
+        request: Any,
+        *,
+        method: str = "leave-out",
+        depth: int = 1,
+        max_parts: int = 64,
+        steps: int = 16,
+        question_ids: Sequence[str] | None = None,
+    ) -> Explanation:
+        """Why it decided that: every part of the state's contribution to every option of every question.
+
+        Parts: each image and video, each field of a JSON state (to `depth` levels), each sentence or line of a text
+        (explain/parts.py). `method="leave-out"`: a contribution is p(option) minus p(option) with the part left out,
+        the full record's shared prefix run once (the state cache's machinery); `"integrated-gradients"` (`steps`
+        along the path) or `"input-x-gradient"`: Captum's token-level attributions, summed per part (fp32 / bf16
+        models). `question_ids`: the questions to report. A state with more than `max_parts` parts, of one part or
+        none, an unknown question id: RequestInvalid, before any inference."""
+        return self.run_explanation(
+            self.prepare_explanation(request, explain_options(method=method, depth=depth, max_parts=max_parts, steps=steps, question_ids=question_ids))
+        )
+
+    def prepare_explanation(self, request: Any, options: ExplainOptions) -> ExplainJob:
+        """Everything `explain` checks and renders, no inference (the server does this before queueing)."""
+        return explain.prepare(self, request, options)
+
+    def run_explanation(self, job: ExplainJob) -> Explanation:
+        """Score a prepared explanation (the server's model worker runs this)."""
+        return explain.run(self, job)
 
     def _run(self, requests: Sequence[Any], *, truncate_state: bool = False) -> tuple[list[Prepared], list[list[QuestionResult]]]:
         """Validate and encode every request (errors name the request's position), then score them all."""

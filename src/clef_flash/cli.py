@@ -2,9 +2,10 @@
 
     clef-flash tiny DIR                       write a random release (real vocabulary) for smoke tests
     clef-flash answer --model SRC [REQUEST]   answer a System One request (file, stdin, or flags)
+    clef-flash explain --model SRC [REQUEST]  why: each part of the state's contribution to every option (--json, --plot)
     clef-flash render [REQUEST]               show the rendered prompt, spans and token counts
     clef-flash serve --model SRC              a System One HTTP server, with a triage demo page at /; --ray: Ray Serve
-    clef-flash mcp --model SRC                the model as MCP tools for agents (decide, classify, one per set): stdio, or --http PORT
+    clef-flash mcp --model SRC                the model as MCP tools (decide, classify, explain, one per set): stdio, or --http PORT
     clef-flash sets add|list|rm               saved question sets: answer --set, POST /v1/sets/NAME, batch --set, MCP
     clef-flash batch IN OUT --model SRC       JSONL requests (or states + --schema) to JSONL answers; resumable;
                                               --ray: on a Ray cluster (Ray Data), the same output
@@ -32,6 +33,7 @@ from typing import Sequence
 from .coreml import DEFAULT_BUCKETS, HEAD_OPTIONS, HEAD_QUESTIONS
 from .errors import ClefError, RequestInvalid
 from .evaluate import DEFAULT_HOLDOUT, DEFAULT_MIN_EXAMPLES
+from .explain import DEFAULT_MAX_PARTS, DEFAULT_STEPS, METHODS, MOST_PARTS
 from .cli_commands import (
     SetName,
     command_answer,
@@ -40,6 +42,7 @@ from .cli_commands import (
     command_convert,
     command_eval_agreement,
     command_eval_labelled,
+    command_explain,
     command_export_coreml,
     command_info,
     command_mcp,
@@ -155,6 +158,22 @@ COMMANDS = (
         max_length(""),
         TRUNCATE_STATE,
     )),
+    Command("explain", "why it decided that: each part of the state's contribution to every option of every question", command_explain, (
+        *REQUEST_ARGUMENTS,
+        *MODEL_OPTIONS,
+        arg("--method", choices=METHODS, default=METHODS[0], help="leave-out (default): how much each probability drops when the "
+            "part is left out; integrated-gradients, input-x-gradient: token attributions (Captum; fp32 or bf16 models)"),
+        arg("--depth", type=positive_int, default=1, help="how deep a JSON state splits into parts (default 1: its top-level fields)"),
+        arg("--max-parts", type=positive_int, default=DEFAULT_MAX_PARTS,
+            help=f"refuse a state of more parts (default {DEFAULT_MAX_PARTS}, at most {MOST_PARTS}; each part costs a partial record)"),
+        arg("--steps", type=positive_int, default=DEFAULT_STEPS, help=f"integrated-gradients: steps along the path (default {DEFAULT_STEPS})"),
+        arg("--question-id", dest="question_ids", action="append", metavar="ID", help="explain only this question (repeatable; default all)"),
+        arg("--json", action="store_true", help="print the explanation as one JSON object"),
+        arg("--plot", metavar="PNG", help="write a bar chart per question (each part's contribution to its decision) as a PNG"),
+        max_length(""),
+    ), description="Parts: each image and video, each field of a JSON state (to --depth levels), each sentence or line of a "
+            "text. leave-out answers the request once more per part, without it (the shared start of the record runs once). "
+            "A state of one part or none, more parts than --max-parts or an unknown --question-id is refused in one line."),
     Command("render", "show the rendered prompt with question and option spans marked", command_render,
             (*REQUEST_ARGUMENTS, *SOURCE, max_length(""), TRUNCATE_STATE)),
     Command("serve", "serve POST /v1/systemone (+ Workers AI route, /v1/models, /health, /metrics, a demo page at /)", command_serve, (
@@ -167,7 +186,7 @@ COMMANDS = (
         *RAY_ARGUMENTS,
         arg("--replicas", type=positive_int, help="with --ray: engines behind Ray Serve's proxy (default 1)"),
     )),
-    Command("mcp", "the model as MCP tools for agents: decide, classify, and one per saved question set (stdio, or --http PORT)",
+    Command("mcp", "the model as MCP tools for agents: decide, classify, explain, and one per saved question set (stdio, or --http PORT)",
             command_mcp, (
         *MODEL_OPTIONS,
         arg("--http", type=positive_int, metavar="PORT", help="serve streamable HTTP at http://HOST:PORT/mcp instead of stdio"),

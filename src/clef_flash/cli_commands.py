@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .console import format_answers, format_machine, format_timings
+from .console import format_answers, format_explanation, format_machine, format_timings
 from .errors import ClefError, RequestInvalid
 from .request.spec import decode_text, parse_question_spec
 from .server.settings import ServerSettings
@@ -150,6 +150,20 @@ def command_answer(args: argparse.Namespace) -> int:
     print(format_answers(body, random_weights=model.is_random))
     if args.timings:
         print(format_timings(timings))
+    return 0
+
+
+def command_explain(args: argparse.Namespace) -> int:
+    request = read_request(args)
+    model = load_model(args, max_length=args.max_length)
+    options = {name: getattr(args, name) for name in ("method", "depth", "max_parts", "steps", "question_ids")}
+    body = model.explain(request, **options).to_dict()
+    print(json.dumps(body, ensure_ascii=False) if args.json else format_explanation(body, random_weights=model.is_random))
+    if args.plot:
+        from .plots import explanation_figure, png
+
+        Path(args.plot).write_bytes(png(explanation_figure(body)))
+        print(f"wrote {args.plot}", file=sys.stderr)
     return 0
 
 

@@ -1,5 +1,5 @@
-"""What the shells print: answers as a table with probability bars, timings, and one progress meter (records
-scored, bytes converted).
+"""What the shells print: answers as a table with probability bars, explanations as a table per question, timings,
+and one progress meter (records scored, bytes converted).
 
 The meter is tqdm's: a bar redrawn in place on a terminal; when the stream is piped, tqdm's line
 every `interval` seconds, each on a line of its own (a log file gets a line per interval, not
@@ -43,6 +43,48 @@ def format_answers(body: dict[str, Any], *, random_weights: bool) -> str:
         for option, probability in probabilities.items():
             lines.append(f"    {str(option):<{width}}  {bar(probability)}  {probability:.4f}")
     lines.append(f"input tokens: {body['usage']['input_tokens']}")
+    return "\n".join(lines)
+
+
+EXPLAIN_OPTIONS_SHOWN = 4  # option columns per question (the decision first, then the most probable); --json has all
+
+
+def format_explanation(body: dict[str, Any], *, random_weights: bool) -> str:
+    """An explanation (`Explanation.to_dict()`) as a table per question: a row per part, its contribution to the
+    decision and the most probable other options, and a bar of its contribution to the decision."""
+    lines = []
+    if random_weights:
+        lines.append("(random weights: these contributions mean nothing; use --model Cloudflare/clef-flash for the real model)")
+    meaning = (
+        "p(option) - p(option with the part left out)" if body["method"] == "leave-out" else "the part's token attributions, summed"
+    )
+    lines.append(f"{body['method']}: {len(body['parts'])} parts; a contribution is {meaning}")
+    labels = [f"{part['label']}  {part['excerpt']}" for part in body["parts"]]
+    labels = [label if len(label) <= 44 else label[:43] + "…" for label in labels]
+    width = max(map(len, labels))
+    for question_id, question in body["questions"].items():
+        options = question["options"]
+        decision = question["decision"]
+        lines.append("")
+        lines.append(f"{question_id}  ({question['type']})  -> {decision}  (p {options[decision]['probability']:.4f})")
+        others = sorted((name for name in options if name != decision), key=lambda name: -options[name]["probability"])
+        shown = [decision] if question["type"] == "noul" else [decision, *others][:EXPLAIN_OPTIONS_SHOWN]
+        names = [name if len(name) <= 10 else name[:9] + "…" for name in shown]
+        lines.append(f"    {'part':<{width}}  " + "  ".join(f"{name:>10}" for name in names))
+        scale = max((abs(value) for value in options[decision]["contributions"]), default=0.0) or 1.0
+        for index, label in enumerate(labels):
+            values = "  ".join(f"{options[name]['contributions'][index]:>+10.4f}" for name in shown)
+            value = options[decision]["contributions"][index]
+            lines.append(f"    {label:<{width}}  {values}  {'+' if value >= 0 else '-'}{bar(abs(value) / scale, 16)}")
+        if len(shown) < len(options) and question["type"] != "noul":
+            lines.append(f"    ({len(options) - len(shown)} more options: --json has them all)")
+    cost = body["cost"]
+    ratio = cost["tokens_run"] / max(cost["tokens_whole"], 1)
+    lines.append("")
+    lines.append(
+        f"cost: {cost['records']} records, {cost['tokens_run']:,} decoder tokens run of {cost['tokens_whole']:,} as whole "
+        f"records ({ratio:.2f}x), {cost['passes']} passes, {cost['milliseconds']:,.0f} ms"
+    )
     return "\n".join(lines)
 
 

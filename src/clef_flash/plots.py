@@ -5,6 +5,7 @@ a title and a legend, and comes back as PNG bytes.
     calibration_figure(report)   eval labelled --fit-calibration: the held-out reliability before and after, per adapter
     agreement_figure(report)     eval agreement: the distribution of |dp| over every option
     bench_figure(results)        bench: latency percentiles and throughput by batch size
+    explanation_figure(body)     explain: each part's contribution to each question's decision, a bar chart per question
 
 Only matplotlib's object API is used (`Figure` + the Agg canvas), never pyplot: nothing global (a
 backend, open figures) changes in the caller's process.
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 ACCURACY, GAP, DIAGONAL = "#4278be", "#eb968c", "#6e6e6e"
+SUPPORTS, OPPOSES = "#2e8b57", "#c0392b"  # a part that raises the decision's probability, one that lowers it
 
 
 def _figure(width: float = 5.5, height: float = 5.0) -> Figure:
@@ -127,4 +129,32 @@ def bench_figure(results: Sequence[dict[str, Any]]) -> Figure:
         f"{first['model']} ({first['precision']}, {first['device']}), ~{first['tokens_per_record']:.0f} tokens per record"
         + (" - random weights" if first["random_weights"] else "")
     )
+    return figure
+
+
+def explanation_figure(body: dict[str, Any]) -> Figure:
+    """One horizontal bar chart per question (`Explanation.to_dict()`): each part's contribution to the question's
+    decision, green where the part supports it, red where it opposes it."""
+    from matplotlib.patches import Patch
+
+    questions = list(body["questions"].items())
+    # a text's part by its words, any other by its label (a JSON path, images[0])
+    labels = [part["excerpt"] if part["kind"] in ("line", "sentence") else part["label"] for part in body["parts"]]
+    labels = [label if len(label) <= 32 else label[:31] + "…" for label in labels]
+    height = 1.0 + 0.28 * len(labels)
+    figure = _figure(6.5, max(2.5, height) * len(questions))
+    for axes, (question_id, question) in zip(figure.subplots(len(questions), 1, squeeze=False)[:, 0], questions):
+        decision = question["decision"]
+        values = question["options"][decision]["contributions"]
+        positions = list(range(len(values)))[::-1]  # the first part on top
+        axes.barh(positions, values, color=[SUPPORTS if value >= 0 else OPPOSES for value in values])
+        axes.set_yticks(positions, labels)
+        axes.axvline(0, color=DIAGONAL, linewidth=0.8)
+        probability = question["options"][decision]["probability"]
+        axes.set_title(f"{question_id} -> {decision} (p {probability:.3f})")
+        unit = "p - p without the part" if body["method"] == "leave-out" else "attribution"
+        axes.set_xlabel(f"contribution to {decision!r} ({unit})")
+        axes.grid(axis="x", alpha=0.3)
+        axes.legend(handles=[Patch(color=SUPPORTS, label="supports the decision"), Patch(color=OPPOSES, label="opposes it")], fontsize=8)
+    figure.suptitle(f"Why: {body['method']}, {len(labels)} parts ({body['model']})")
     return figure

@@ -121,36 +121,56 @@ def row_media(
     vision: torch.nn.Module,
     rows: Sequence[Sequence[int]],
     media: Sequence[RecordMedia | None],
-    continuing: Sequence[bool],
+    starts: Sequence[int],
     *,
     dtype: torch.dtype,
     device: torch.device,
 ) -> list[RowMedia | None] | None:
-    """Per row: its 3-D positions (over the whole record) and, for a row run from its start, its image and
-    video features in `dtype`. The vision tower runs once over every image and video of those rows (attention
-    stays within each image and frame pair); a row continuing a kept state has its media behind it (they
-    precede the state)."""
+    """Per row: its 3-D positions (over the tokens given) and the features, in `dtype`, of the images and videos it
+    runs: those with a pad token at or after `starts[i]` (the tokens before it are behind, in a kept state; a row
+    may end inside its media, a state kept part-way). The vision tower runs once over all of them (attention stays
+    within each image and frame pair)."""
     if all(item is None for item in media):
         return None
-    fresh = [item for item, going_on in zip(media, continuing) if item is not None and not going_on]
+    pads: list[torch.Tensor | None] = []  # per row: the positions of the pads its features go to
+    ahead: list[list[int]] = []  # per row: the media items it runs
+    for ids, item, start in zip(rows, media, starts):
+        if item is None:
+            pads.append(None)
+            ahead.append([])
+            continue
+        positions = torch.isin(torch.tensor(ids), torch.tensor(sorted(item.pad_ids))).nonzero().flatten()  # [pads]
+        runs = [positions[first : first + count] for first, count in _item_pads(item)]  # each item's (a cut row: fewer)
+        items = [index for index, run in enumerate(runs) if run.numel() and int(run[-1]) >= start]
+        pads.append(torch.cat([runs[index] for index in items]) if items else None)
+        ahead.append(items)
     per_record = iter(())
-    if fresh:
-        pixels = torch.from_numpy(np.concatenate([item.pixel_values for item in fresh]))
-        grids = [grid for item in fresh for grid in item.grids]
-        features = vision(pixels.to(device), grids).to(dtype)  # [pads, D]
-        per_record = iter(features.split([item.tokens for item in fresh]))
+    if any(ahead):
+        pixels, grids = [], []
+        for item, items in zip(media, ahead):
+            patches = [t * h * w for t, h, w in item.grids] if items else []
+            offsets = np.cumsum([0, *patches])
+            pixels += [item.pixel_values[offsets[index] : offsets[index + 1]] for index in items]
+            grids += [item.grids[index] for index in items]
+        features = vision(torch.from_numpy(np.concatenate(pixels)).to(device), grids).to(dtype)  # [pads, D]
+        per_record = iter(features.split([sum(_item_pads(item)[index][1] for index in items) for item, items in zip(media, ahead) if items]))
     out: list[RowMedia | None] = []
-    for ids, item, going_on in zip(rows, media, continuing):
+    for ids, item, row_pads, items in zip(rows, media, pads, ahead):
         if item is None:
             out.append(None)
             continue
         positions = rope_positions(ids, item.position_grids, item.pad_ids, item.merge)
-        if going_on:
-            out.append(RowMedia(torch.empty(0), torch.empty(0, dtype=torch.long), positions))
+        if items:
+            out.append(RowMedia(next(per_record), row_pads, positions))
         else:
-            pads = torch.isin(torch.tensor(ids), torch.tensor(sorted(item.pad_ids))).nonzero().flatten()
-            out.append(RowMedia(next(per_record), pads, positions))
+            out.append(RowMedia(torch.empty(0), torch.empty(0, dtype=torch.long), positions))
     return out
+
+
+def _item_pads(item: RecordMedia) -> list[tuple[int, int]]:
+    """(first, count) of each image's and video's pad tokens among the record's pads, in order."""
+    counts = [t * h * w // item.merge**2 for t, h, w in item.grids]
+    return [(first, count) for first, count in zip(np.cumsum([0, *counts[:-1]]).tolist(), counts)]
 
 
 def media_inputs(

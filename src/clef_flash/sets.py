@@ -30,7 +30,7 @@ SETS_DIR_ENV = "CLEF_FLASH_SETS_DIR"
 SET_FORMAT = "clef-flash-set"
 SET_VERSION = 1
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
-RESERVED_NAMES = ("decide", "classify")  # the MCP server's own tools: a set is a tool of the same namespace
+RESERVED_NAMES = ("decide", "classify", "explain")  # the MCP server's own tools: a set is a tool of the same namespace
 SCHEMA_KEYS = ("questions", "model", "description")
 
 

@@ -66,7 +66,7 @@ class ServeBatcher(Batcher):
 
         def batch_size(jobs: list[Job]) -> int:
             """What Serve counts against `max_batch`: over it once the padded tokens pass the budget."""
-            fits = fitting((job.record.token_count for job in jobs), self.batch_tokens, self.max_batch)
+            fits = fitting((job.tokens for job in jobs), self.batch_tokens, self.max_batch)
             return len(jobs) if fits == len(jobs) else self.max_batch + 1
 
         async def score_batch(jobs: list[Job]) -> list[None]:
@@ -96,13 +96,12 @@ class ServeBatcher(Batcher):
         """Serve's batch queue runs while the replica does (no worker thread of ours to watch)."""
         return not self._stopping
 
-    def submit(self, record: Any, request_id: str = "") -> Job:
-        loop = asyncio.get_running_loop()
+    def enqueue(self, job: Job) -> Job:
+        loop = job.loop
         if self._stopping:
             raise WorkerUnavailable("the server is shutting down")
         if len(self._waiting) >= self.max_queue:
             raise QueueFull
-        job = Job(record=record, future=loop.create_future(), loop=loop, request_id=request_id)
         self._waiting.add(job)
         task = loop.create_task(self._enqueue(job))
         self._tasks.add(task)

@@ -2,7 +2,8 @@
 
     check(record)                       refuse a record this backend cannot run (RequestInvalid), before inference
     forward(records, entries, timings)  records (each from its kept state, or from the start) -> question results
-    run_states(rows, timings)           prefix + state token rows -> one CachedState each (when supported)
+    run_states(rows, timings)           records' first tokens -> one CachedState each (when supported); from a kept
+                                        state when `entries` gives one
     state_nbytes(tokens)                what keeping a state of `tokens` tokens costs
     state_reuse_unsupported             None, or why this backend cannot continue a state (said in /health)
     plan, describe()                    how it runs (plan.py) and what /health shows of it
@@ -58,7 +59,11 @@ class Backend(Protocol):
     ) -> list[list[QuestionResult]]: ...
 
     def run_states(
-        self, rows: Sequence[Sequence[int]], timings: Timings, media: Sequence[RecordMedia | None] | None = None
+        self,
+        rows: Sequence[Sequence[int]],
+        timings: Timings,
+        media: Sequence[RecordMedia | None] | None = None,
+        entries: Sequence[CachedState | None] | None = None,
     ) -> list[CachedState]: ...
 
     def state_nbytes(self, tokens: int) -> int: ...

@@ -129,6 +129,50 @@ class Engine:
         timings.tokens += sum(record.token_count for record in records)
         return results  # type: ignore[return-value]
 
+    def score_branches(
+        self, trunk: EncodedRecord, branches: Sequence[EncodedRecord], shared: Sequence[int], timings: Timings | None = None
+    ) -> list[list[QuestionResult]]:
+        """The results of `trunk` and of records branching off it (explain's requests with a part left out), the
+        trunk's tokens run once: `branches[i]` equals the trunk on its first `shared[i]` tokens, media included.
+
+        The trunk's tokens run as a chain of kept states that stops at each branch point in order; each record runs
+        on from its point (the trunk from the last), a token budget's worth of records per forward. N branches then
+        cost the trunk's tokens once plus each record's tail, instead of N + 1 whole records (`timings.tokens_reused`
+        counts the difference). A point stays within the state: the head reads the schema's own hidden states. A
+        backend that cannot continue a state runs every record whole. Returns the results of [trunk, *branches].
+        """
+        timings = timings if timings is not None else Timings()
+        records = [trunk, *branches]
+        if self.backend.state_reuse_unsupported is not None:
+            return self.score(records, timings)
+        points = [min(point, state_end(trunk), state_end(record)) for point, record in zip([max(shared, default=0), *shared], records)]
+        results: list[list[QuestionResult] | None] = [None] * len(records)
+        order = sorted(range(len(records)), key=lambda index: (points[index], index))
+        chain: CachedState | None = None  # the trunk's state after chain.tokens tokens
+        for group in self.pack(order, [record.token_count - point for record, point in zip(records, points)]):
+            kept: dict[int, CachedState] = {}
+            for point in sorted({points[index] for index in group} - {0}):
+                if chain is None or chain.tokens < point:
+                    chain = self._run_on(trunk, chain, point, timings)
+                kept[point] = chain
+            entries = [kept.get(points[index]) for index in group]
+            for index, per_question in zip(group, self.backend.forward([records[index] for index in group], entries, timings)):
+                results[index] = per_question
+        timings.tokens_reused += sum(points) - (0 if chain is None else chain.tokens)
+        timings.records += len(records)
+        timings.tokens += sum(record.token_count for record in records)
+        return results  # type: ignore[return-value]
+
+    def _run_on(self, record: EncodedRecord, entry: CachedState | None, tokens: int, timings: Timings) -> CachedState:
+        """The record's state after its first `tokens` tokens, run on from `entry` (None: from its start)."""
+        options: dict = {"entries": [entry]}
+        if record.media is not None:
+            options["media"] = [record.media]
+        if record.adapter is not None:
+            options["adapters"] = [record.adapter]
+        (kept,) = self.backend.run_states([record.input_ids[:tokens]], timings, **options)
+        return kept
+
     def _worth_keeping(self, key: str, tokens: int) -> bool:
         """Whether to keep a state this call does not share, within the cache's bound: when it is long
         enough that reusing it pays for the second decoder step it costs now (KEEP_FROM_TOKENS), or when it

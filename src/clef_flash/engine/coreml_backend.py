@@ -50,7 +50,7 @@ class CoreMLBackend:
     def state_nbytes(self, tokens: int) -> int:
         return 0
 
-    def run_states(self, rows: Sequence[Sequence[int]], timings: Timings, media=None) -> list[CachedState]:
+    def run_states(self, rows: Sequence[Sequence[int]], timings: Timings, media=None, entries=None) -> list[CachedState]:
         raise ClefError(f"Core ML: {self.state_reuse_unsupported}")
 
     def forward(

@@ -112,30 +112,38 @@ class TorchBackend:
         timings: Timings,
         media: Sequence[RecordMedia | None] | None = None,
         adapters: Sequence[str | None] | None = None,
+        entries: Sequence[CachedState | None] | None = None,
     ) -> list[CachedState]:
-        """Run each row (a prefix + state, with its record's images, through its adapter) and keep its decoder
-        state and its head's memory rows."""
-        memory: list[list[torch.Tensor]] = [[] for _ in rows]
+        """Run each row (a record's first tokens, with its images, through its adapter) and keep its decoder state
+        and its head's memory rows. `entries[i]`, when given, is row i's state after its first `entries[i].tokens`
+        tokens: the row runs on from there (the state is not changed)."""
+        entries = [None] * len(rows) if entries is None else list(entries)
+        starts = [0 if entry is None else entry.tokens for entry in entries]
+        memory: list[list[torch.Tensor]] = [[] if entry is None else [entry.memory] for entry in entries]
         clock = HeadClock(timings, device_io.timing_sync(self.device))
         names = [None] * len(rows) if adapters is None else list(adapters)
 
-        def keep_memory(hidden, active, starts, counts):
+        def keep_memory(hidden, active, done, counts):
             with clock:
                 for name, picked in _by_adapter([names[index] for index in active]):
                     _, rows_memory = self.head_of(name).read(_rows_of(hidden, picked, len(active)))  # [B'', L, w]
                     for row, position in enumerate(picked):
                         memory[active[position]].append(rows_memory[row, : counts[position]])
 
+        state = None
+        if any(entry is not None for entry in entries):
+            state = DecoderState.stack([self._empty() if entry is None else entry.decoder for entry in entries])
         started = time.perf_counter()
         states = run_segments(
             self.parts.decoder,
-            rows,
+            [row[start:] for row, start in zip(rows, starts)],
             segment=self.segment_tokens,
             pad_id=self.pad_id,
             device=self.device,
             on_segment=keep_memory,
+            state=state,
             keep_states=True,
-            media=None if media is None else self._media(rows, media, [False] * len(rows)),
+            media=None if media is None else self._media(rows, media, starts),
             route=self._route(names),
             bucketed=self.bucketed,
         )
@@ -198,7 +206,7 @@ class TorchBackend:
             device=self.device,
             on_segment=read,
             state=state,
-            media=self._media([record.input_ids for record in records], [record.media for record in records], [entry is not None for entry in entries]),
+            media=self._media([record.input_ids for record in records], [record.media for record in records], starts),
             route=self._route(names),
             bucketed=self.bucketed,
             whole_step=self.graphs,
@@ -223,10 +231,9 @@ class TorchBackend:
         timings.head_ms += (time.perf_counter() - decoded) * 1000
         return results
 
-    def _media(
-        self, rows: Sequence[Sequence[int]], media: Sequence[RecordMedia | None], continuing: Sequence[bool]
-    ) -> list[RowMedia | None] | None:
-        return row_media(self.parts.vision, rows, media, continuing, dtype=self.parts.decoder.dtype, device=self.device)
+    def _media(self, rows: Sequence[Sequence[int]], media: Sequence[RecordMedia | None], starts: Sequence[int]) -> list[RowMedia | None] | None:
+        """The rows' positions and the features of the media they run from `starts` on (prefill.row_media)."""
+        return row_media(self.parts.vision, rows, media, starts, dtype=self.parts.decoder.dtype, device=self.device)
 
     def _empty(self) -> DecoderState:
         if self._empty_state is None:

@@ -11,7 +11,7 @@ from typing import Any
 
 from .protocol import DEFAULT_MODEL_NAME, SystemOneRequest
 
-def _option_order(question: Mapping[str, Any]) -> list[str]:
+def option_order(question: Mapping[str, Any]) -> list[str]:
     """A question's option ids in the order the answer lists them (the request's, not sorted)."""
     question_type = question["type"]
     if question_type == "noul":
@@ -39,7 +39,7 @@ def shape_answer(
     if len(option_ids) != len(probabilities):
         raise ValueError(f"{len(option_ids)} option ids but {len(probabilities)} probabilities")
     by_option = {str(option): float(p) for option, p in zip(option_ids, probabilities, strict=True)}
-    order = _option_order(question)
+    order = option_order(question)
     if len(by_option) != len(option_ids) or set(by_option) != set(order):
         raise ValueError(f"option ids {sorted(by_option)} do not match the question's options {sorted(order)}")
 

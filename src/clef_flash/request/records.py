@@ -365,17 +365,34 @@ def _located(field: str, index: int) -> Iterator[None]:
         raise RequestInvalid([{"type": problem.kind, "loc": ["body", field, index], "msg": str(problem)}]) from None
 
 
-def media_ids(media: RecordMedia, fixed: Mapping[str, tuple[int, ...]], tokenizer: Tokenizer) -> tuple[int, ...]:
-    """The tokens of a record's images and videos: per image start, pads (one per merged patch), end; per video
-    start, for each frame pair its time, start, pads, end, and end; then "\n"."""
+def media_item_ids(media: RecordMedia, fixed: Mapping[str, tuple[int, ...]], tokenizer: Tokenizer) -> list[tuple[int, ...]]:
+    """Each image's tokens (start, pads: one per merged patch, end), then each video's (start; for each frame pair its
+    time, start, pads, end; end)."""
     start, image_pad, end = fixed[IMAGE_PLACEHOLDER]
-    ids: list[int] = []
+    items: list[tuple[int, ...]] = []
     for t, h, w in media.grids[: media.image_count]:
-        ids += [start, *[image_pad] * (t * h * w // media.merge**2), end]
+        items.append((start, *[image_pad] * (t * h * w // media.merge**2), end))
     video_pad = fixed[VIDEO_PLACEHOLDER][1]
     for (t, h, w), times in zip(media.grids[media.image_count :], media.times):
-        ids.append(start)
+        ids = [start]
         for seconds in times:
             ids += [*_frame_pair_label_ids(tokenizer, frame_pair_label(seconds)), start, *[video_pad] * (h * w // media.merge**2), end]
-        ids.append(end)
-    return (*ids, *fixed[MEDIA_END])
+        items.append((*ids, end))
+    return items
+
+
+def media_ids(media: RecordMedia, fixed: Mapping[str, tuple[int, ...]], tokenizer: Tokenizer) -> tuple[int, ...]:
+    """The tokens of a record's images and videos (`media_item_ids`), then "\n"."""
+    return (*(token for item in media_item_ids(media, fixed, tokenizer) for token in item), *fixed[MEDIA_END])
+
+
+def media_spans(tokenizer: Tokenizer, record: EncodedRecord) -> list[tuple[int, int]]:
+    """[start, end) of each image's, then each video's tokens in the record's input_ids."""
+    if record.media is None:
+        return []
+    fixed = _fixed_pieces(tokenizer)
+    spans, start = [], len(fixed[PREFIX])
+    for item in media_item_ids(record.media, fixed, tokenizer):
+        spans.append((start, start + len(item)))
+        start += len(item)
+    return spans

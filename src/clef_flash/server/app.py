@@ -1,6 +1,8 @@
 """The HTTP app: System One and Workers AI routes, limits, errors, health, metrics, the demo page.
 
     POST /v1/systemone                                            System One body -> answers
+    POST /v1/explain                                              the same body (+ how to explain) -> each part's
+                                                                  contribution to every option (explain/)
     POST /v1/sets/{name}                                          {"state": ...} -> the saved set's answers
     POST /client/v4/accounts/{account}/ai/run/@cf/cloudflare/clef-flash   the same, in Cloudflare's
     POST /accounts/{account}/ai/run/@cf/cloudflare/clef-flash             {result, success, errors, messages}
@@ -47,6 +49,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from .. import __version__
 from ..clef import Prepared
 from ..errors import InferenceError, QuestionSetError, RequestInvalid
+from ..explain import ExplainJob, explain_request, options_of
 from ..request.protocol import decode_body, parse_request, parse_request_json, served_request
 from ..sets import SetStore
 from . import schemas
@@ -225,6 +228,7 @@ class SystemOneServer:
         self.batcher = make_batcher(model, self.metrics, settings)
         self.served_names = served_names(model)
         self.request_type = served_request(self.served_names, model.adapters)  # validates bodies; /openapi.json publishes it
+        self.explain_type = explain_request(self.request_type)  # /v1/explain's: the same, and how to explain
         self.sets = SetStore(settings.sets_dir)
         self.status = "starting"  # -> warming_up -> ready -> shutting_down, or failed (warm_up_error says why)
         self.warm_up_error: str | None = None
@@ -244,6 +248,8 @@ class SystemOneServer:
         }
         return [
             Route("/v1/systemone", "POST", self.systemone, "Answer a System One request", openapi={**schemas.SYSTEMONE, **rules}),
+            Route("/v1/explain", "POST", self.explain, "Explain a System One request's answers, part by part of its state",
+                  openapi={**schemas.EXPLAIN, "description": schemas.EXPLAIN_RULES + rules["description"]}),
             Route("/v1/sets/{name}", "POST", self.question_set, "Ask a saved question set about a state", openapi={**schemas.QUESTION_SET, **rules}),
             Route("/client/v4" + run + WORKERS_AI_MODEL, "POST", self.workers_ai, cloudflare, openapi={**schemas.WORKERS_AI, **rules}),
             Route(run + WORKERS_AI_MODEL, "POST", self.workers_ai, cloudflare, in_schema=False),
@@ -277,7 +283,7 @@ class SystemOneServer:
                 include_in_schema=route.in_schema,
                 **(route.openapi or {}),
             )
-        schemas.publish_models(app, self.request_type)
+        schemas.publish_models(app, self.request_type, self.explain_type)
         return app
 
     def describe(self) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -359,10 +365,21 @@ class SystemOneServer:
             raise ApiError(401, API_KEY_REQUIRED, cf_code=10000, headers={"WWW-Authenticate": "Bearer"})
 
     def prepare(self, raw: bytes) -> Prepared:
-        """Parse, check the model name and encode; raises RequestInvalid (422). Only a request with images may
-        pass the text body limit (up to max_image_body_bytes), and one with videos the image limit (up to
-        max_video_body_bytes): 413 otherwise."""
+        """Parse, check the model name and encode; raises RequestInvalid (422)."""
         parsed = parse_request_json(raw, self.request_type)  # `model`: one of the served names
+        self.check_body_size(raw, parsed)
+        return self.model.prepare(parsed)  # RecordTooLong: token count and limit, before inference
+
+    def prepare_explanation(self, raw: bytes) -> ExplainJob:
+        """/v1/explain's body parsed, checked and rendered as `prepare` does, and every check of the explanation
+        (Clef.prepare_explanation): 422 before anything is queued."""
+        parsed = parse_request_json(raw, self.explain_type)
+        self.check_body_size(raw, parsed)
+        return self.model.prepare_explanation(parsed, options_of(parsed))
+
+    def check_body_size(self, raw: bytes, parsed: Any) -> None:
+        """Only a request with images may pass the text body limit (up to max_image_body_bytes), and one with videos
+        the image limit (up to max_video_body_bytes): 413 otherwise."""
         settings = self.settings
         if parsed.videos:
             limit, what = settings.max_video_body_bytes, "with videos"
@@ -372,7 +389,6 @@ class SystemOneServer:
             limit, what = settings.max_body_bytes, "without images"
         if len(raw) > limit:
             raise body_too_large(limit, f"{len(raw)} bytes {what} are")
-        return self.model.prepare(parsed)  # RecordTooLong: token count and limit, before inference
 
     def prepare_set(self, name: str, raw: bytes) -> Prepared:
         """A set route's body, `{"state": ...}`, asked the saved set's questions; 404 without the set."""
@@ -402,6 +418,24 @@ class SystemOneServer:
 
     async def answer(self, request: Request, prepare: Callable[[bytes], Prepared]) -> tuple[dict[str, Any], dict[str, str]]:
         """`prepare`: the raw body to a prepared request (`self.prepare`, or a set's)."""
+        prepared = await self.read(request, prepare)
+        job = self.queue(lambda: self.batcher.submit(prepared.record, request.state.request_id))
+        results = await self.result_of(job, request)
+        return self.model.respond(prepared, results), self.timing(job)
+
+    async def answer_explanation(self, request: Request) -> tuple[dict[str, Any], dict[str, str]]:
+        """/v1/explain: the explanation runs on the model worker as one task, between batches."""
+        explained = await self.read(request, self.prepare_explanation)
+
+        def run() -> dict[str, Any]:
+            return self.model.run_explanation(explained).to_dict()
+
+        job = self.queue(lambda: self.batcher.submit_task(run, explained.tokens, request.state.request_id))
+        return await self.result_of(job, request), self.timing(job)
+
+    async def read(self, request: Request, prepare: Callable[[bytes], Any]) -> Any:
+        """The API key, the server's state, the content type and the body (within the parse budget), then
+        `prepare(raw)` in a thread: RequestInvalid and ApiError before anything is queued."""
         self.check_api_key(request)
         retry_after = self.settings.retry_after_s
         if self.status == "shutting_down":
@@ -411,8 +445,13 @@ class SystemOneServer:
             raw = await read_body(request, self.settings.max_video_body_bytes, reservation)  # the largest limit
             prepared = await run_in_threadpool(prepare, raw)  # tokenizing a 1 MiB state takes a while
             del raw
+        return prepared
+
+    def queue(self, submit: Callable[[], Job]) -> Job:
+        """`submit()` (a record or a task to the batcher), a full queue as 429 and a dead worker as 503."""
+        retry_after = self.settings.retry_after_s
         try:
-            job = self.batcher.submit(prepared.record, request.state.request_id)
+            return submit()
         except QueueFull:
             raise ApiError(
                 429,
@@ -422,17 +461,27 @@ class SystemOneServer:
             ) from None
         except WorkerUnavailable as error:
             raise unavailable(str(error), retry_after) from None
-        try:
-            results = await self.wait_for(job, request)
-        except WorkerUnavailable as error:
-            raise unavailable(str(error), retry_after) from None
-        body = self.model.respond(prepared, results)
-        timing = f"queue;dur={job.queue_ms():.1f}, model;dur={job.model_ms():.1f}"
-        return body, {"Server-Timing": timing}
 
-    async def run_route(self, request: Request, prepare: Callable[[bytes], Prepared] | None = None) -> Outcome:
-        """(body, headers), or the error to answer in the route's own shape."""
+    async def result_of(self, job: Job, request: Request) -> Any:
         try:
+            return await self.wait_for(job, request)
+        except WorkerUnavailable as error:
+            raise unavailable(str(error), self.settings.retry_after_s) from None
+
+    @staticmethod
+    def timing(job: Job) -> dict[str, str]:
+        return {"Server-Timing": f"queue;dur={job.queue_ms():.1f}, model;dur={job.model_ms():.1f}"}
+
+    async def run_route(
+        self,
+        request: Request,
+        prepare: Callable[[bytes], Prepared] | None = None,
+        answer: Callable[[Request], Awaitable[tuple[dict[str, Any], dict[str, str]]]] | None = None,
+    ) -> Outcome:
+        """(body, headers), or the error to answer in the route's own shape (`answer`: another route's own way)."""
+        try:
+            if answer is not None:
+                return await answer(request)
             return await self.answer(request, prepare or self.prepare)
         except (ApiError, RequestInvalid, InferenceError, ClientGone) as error:
             return error
@@ -444,6 +493,9 @@ class SystemOneServer:
 
     async def systemone(self, request: Request) -> Response:
         return systemone_response(await self.run_route(request), request.state.request_id)
+
+    async def explain(self, request: Request) -> Response:
+        return systemone_response(await self.run_route(request, answer=self.answer_explanation), request.state.request_id)
 
     async def question_set(self, request: Request, name: str) -> Response:
         outcome = await self.run_route(request, lambda raw: self.prepare_set(name, raw))

@@ -8,6 +8,10 @@ token budget in one `Clef.score` call. Results go back to each job's event loop 
 A job whose client went away is `cancel`led: removed from the queue if still there, its result
 dropped if it was already running (a running forward cannot be interrupted).
 
+A job may be a task instead of a record (`submit_task`: an explanation, which runs many records of its own): the
+worker runs it in its turn, counted against the token budget by the tokens it runs, so that nothing else uses the
+model meanwhile.
+
 Nothing waits on a dead worker: if the worker thread ends by an error, every queued and running job
 fails with `WorkerUnavailable` and `submit` refuses new ones (`alive` is what /health reads). A
 batch whose results do not match its records fails the records left over, loudly.
@@ -20,8 +24,9 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..engine import QuestionResult, Timings, fitting
 from ..errors import InferenceError
@@ -45,13 +50,19 @@ class WorkerUnavailable(Exception):
 
 @dataclass(eq=False)
 class Job:
-    record: EncodedRecord
+    record: EncodedRecord | None  # None for a task
     future: asyncio.Future[list[QuestionResult]]
     loop: asyncio.AbstractEventLoop
     request_id: str = ""  # for the log
     enqueued: float = field(default_factory=time.perf_counter)
     started: float | None = None  # when the worker took it into a batch
     finished: float | None = None
+    task: Callable[[], Any] | None = None  # run on the model worker instead of scoring a record; its result answers
+    task_tokens: int = 0  # the tokens the task runs (what it counts against a batch's budget)
+
+    @property
+    def tokens(self) -> int:
+        return self.task_tokens if self.record is None else self.record.token_count
 
     def queue_ms(self) -> float:
         return ((self.started or self.enqueued) - self.enqueued) * 1000
@@ -119,7 +130,15 @@ class Batcher:
         """Queue a record; raises QueueFull when the queue is at `max_queue`, WorkerUnavailable
         when the worker is not running."""
         loop = asyncio.get_running_loop()
-        job = Job(record=record, future=loop.create_future(), loop=loop, request_id=request_id)
+        return self.enqueue(Job(record=record, future=loop.create_future(), loop=loop, request_id=request_id))
+
+    def submit_task(self, task: Callable[[], Any], tokens: int, request_id: str = "") -> Job:
+        """Queue `task` (run on the model worker, its return value the job's result; it runs `tokens` tokens), as
+        `submit` queues a record."""
+        loop = asyncio.get_running_loop()
+        return self.enqueue(Job(record=None, future=loop.create_future(), loop=loop, request_id=request_id, task=task, task_tokens=tokens))
+
+    def enqueue(self, job: Job) -> Job:
         with self._changed:
             if not self.alive:
                 raise WorkerUnavailable(self.death or "the model worker is not running")
@@ -190,7 +209,7 @@ class Batcher:
 
     def _fits(self) -> int:
         """How many queued jobs, oldest first, one forward can take: padded tokens within budget."""
-        return fitting((job.record.token_count for job in self._queue), self.batch_tokens, self.max_batch)
+        return fitting((job.tokens for job in self._queue), self.batch_tokens, self.max_batch)
 
     def _next_batch(self) -> list[Job] | None:
         with self._changed:
@@ -215,6 +234,9 @@ class Batcher:
         return batch
 
     def _run(self, batch: list[Job]) -> None:
+        for job in [job for job in batch if job.task is not None]:
+            self._run_task(job)
+        batch = [job for job in batch if job.task is None]
         if not batch:
             return
         timings = Timings()
@@ -254,8 +276,20 @@ class Batcher:
             self.metrics.record_tokens.observe(job.record.token_count)
             self._answer(job, result, None)
 
+    def _run_task(self, job: Job) -> None:
+        job.started = job.started or time.perf_counter()
+        try:
+            result = job.task()
+        except Exception as error:  # a task's inputs were checked when it was made: this is the model failing
+            log.exception("a task failed (request id %s)", job.request_id)
+            self.metrics.failures.inc()
+            self._answer(job, None, InferenceError(f"inference failed: {type(error).__name__}: {error}"))
+            return
+        job.finished = time.perf_counter()
+        self._answer(job, result, None)
+
     @staticmethod
-    def _answer(job: Job, result: list[QuestionResult] | None, error: BaseException | None) -> None:
+    def _answer(job: Job, result: Any, error: BaseException | None) -> None:
         try:
             job.loop.call_soon_threadsafe(_resolve, job.future, result, error)
         except RuntimeError:  # the job's event loop has closed: nobody is waiting

@@ -3,6 +3,8 @@
     decide      a System One request -> the System One response
     classify    {"text", "labels": [label or {"label", "description"}], "instructions"?} -> the
                 probabilities of one `choice` question built from them
+    explain     a System One request (+ method, depth, max_parts, steps, question_ids) -> each part of the
+                state's contribution to every option (explain/: leave a part out, or token attributions)
     <set name>  {"state": ...} -> the answers of a saved question set (sets.py), one tool per set
 
 Every tool publishes its input and output JSON schemas (`tools/list`); the sets are read on every
@@ -35,11 +37,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .. import __version__
 from ..errors import InferenceError, QuestionSetError, RequestInvalid
+from ..explain import ExplainJob, explain_request, options_of
 from ..request.protocol import SystemOneRequest, SystemOneResponse, parse_request, served_request
 from ..sets import QuestionSet, SetStore
 from .batcher import QueueFull, WorkerUnavailable, build_batcher
 from .metrics import ServerMetrics
-from .schemas import SetBody
+from .schemas import ExplanationBody, SetBody
 from .settings import API_KEY_REQUIRED, ServerSettings, bearer_matches, served_names
 
 if TYPE_CHECKING:
@@ -160,6 +163,7 @@ class ToolServer:
         self.sets = sets or SetStore(self.settings.sets_dir)
         self.served_names = served_names(model)
         self.request_type = served_request(self.served_names, model.adapters)  # `model`: one of the served names, as the server
+        self.explain_type = explain_request(self.request_type)
         self.metrics = ServerMetrics(queue_depth=lambda: self.batcher.depth, cache_stats=lambda: model.state_cache.stats)
         self.batcher = build_batcher(model, self.metrics, self.settings)
         self.server: Server[dict[str, Any]] = Server(
@@ -200,6 +204,14 @@ class ToolServer:
                 input_schema=CLASSIFY_INPUT,
                 output_schema=CLASSIFY_OUTPUT,
             ),
+            types.Tool(
+                name="explain",
+                description="Why the model decided that: each part of the state (JSON field, sentence or line, image) and "
+                "its contribution to every option's probability (method leave-out: the change when the part is left out)"
+                f"{random}",
+                input_schema=self.explain_type.model_json_schema(),
+                output_schema=ExplanationBody.model_json_schema(),
+            ),
         ]
         return built_in + [self.set_tool(question_set, response, random) for question_set in self.sets.all()]
 
@@ -223,6 +235,8 @@ class ToolServer:
                 return tool_result(await self.answer(lambda: arguments))
             if params.name == "classify":
                 return tool_result(await self.classify(arguments))
+            if params.name == "explain":
+                return tool_result(await self.explain(arguments))
             return tool_result(await self.answer(lambda: self.sets.get(params.name).request_from_body(arguments)))
         except RequestInvalid as error:
             return tool_result(error.detail(), error=True)
@@ -259,6 +273,21 @@ class ToolServer:
             if not job.future.done() or job.future.cancelled():  # the call was cancelled, or timed out
                 self.batcher.cancel(job)
         return self.model.respond(prepared, results)
+
+    def prepare_explanation(self, arguments: dict[str, Any]) -> ExplainJob:
+        parsed = parse_request(arguments, self.explain_type)
+        return self.model.prepare_explanation(parsed, options_of(parsed))
+
+    async def explain(self, arguments: dict[str, Any]) -> dict[str, Any]:
+        """The explanation, run on the model worker as one task between batches (as /v1/explain)."""
+        explained = await anyio.to_thread.run_sync(self.prepare_explanation, arguments)
+        job = self.batcher.submit_task(lambda: self.model.run_explanation(explained).to_dict(), explained.tokens, f"mcp-{uuid.uuid4().hex[:12]}")
+        try:
+            with anyio.fail_after(self.settings.request_timeout_s):
+                return await job.future
+        finally:
+            if not job.future.done() or job.future.cancelled():
+                self.batcher.cancel(job)
 
     # -- transports -----------------------------------------------------------------------------
 

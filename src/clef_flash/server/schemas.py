@@ -16,7 +16,8 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, Field
 from starlette.convertors import CONVERTOR_TYPES
 
-from ..request.protocol import SystemOneRequest, SystemOneResponse
+from ..explain import DEFAULT_MAX_PARTS, MOST_PARTS, MOST_PASSES
+from ..request.protocol import SystemOneRequest, SystemOneResponse, Usage
 
 COMPONENTS = "#/components/schemas/{model}"
 PATH_SEGMENT = f"^{CONVERTOR_TYPES['str'].regex}$"
@@ -65,6 +66,61 @@ class SetBody(BaseModel):
         description="The text (or JSON value) the saved questions are about",
     )
     model: str | None = Field(None, description="Any of the served model names, or left out")
+
+
+class ExplainedPartBody(BaseModel):
+    index: int
+    kind: Literal["image", "video", "field", "item", "value", "line", "sentence"]
+    label: str = Field(description='"customer.name", "tags[2]", "line 3, sentence 2", "images[0]"')
+    path: list[str | int] = Field(description="JSON: the keys and indices to the member; text: [line, sentence]; media: [field, index]")
+    excerpt: str = Field(description="The part as rendered, cut to 80 characters")
+    chars: list[int] | None = Field(None, min_length=2, max_length=2, description="A text's part: [start, end) of its characters in the state")
+    token_span: list[int] = Field(min_length=2, max_length=2, description="[start, end) of its tokens in the full record")
+
+
+class ExplainedOptionBody(BaseModel):
+    probability: float = Field(description="The option's probability for the full request (unrounded)")
+    contributions: list[float] = Field(
+        description="One per part, in `parts` order. leave-out: the probability minus the probability with the part "
+        "left out (positive: the part supports the option); gradients: the attributions of the part's tokens, summed"
+    )
+    without: list[float] | None = Field(None, description="leave-out: the probability with each part left out")
+    token_scores: list[float] | None = Field(None, description="gradients: one per token of `tokens`")
+    convergence_delta: float | None = Field(
+        None, description="integrated-gradients: the attributions' sum minus (p(input) - p(baseline)); near 0 when the steps suffice"
+    )
+
+
+class ExplainedQuestionBody(BaseModel):
+    type: Literal["noul", "choice", "score"]
+    decision: str = Field(description="The most probable option (ties: the first in criteria order)")
+    options: dict[str, ExplainedOptionBody] = Field(description="Every option, in criteria order (noul: true, false)")
+
+
+class ExplainedTokenBody(BaseModel):
+    position: int
+    text: str
+    part: int | None = Field(description="The part that owns the token (null: between parts)")
+
+
+class ExplainCost(BaseModel):
+    records: int = Field(description="Records scored: the full request and one per part left out (gradients: one)")
+    tokens_whole: int = Field(description="Their tokens, as whole records answered one by one would run")
+    tokens_run: int = Field(description="Decoder tokens actually run (leave-out: the shared prefix once)")
+    passes: int = Field(description="leave-out: decoder steps; gradients: forward + backward passes")
+    milliseconds: float
+
+
+class ExplanationBody(BaseModel):
+    """Each part of the state's contribution to every option of every question (`Explanation.to_dict()`)."""
+
+    model: str
+    method: Literal["leave-out", "integrated-gradients", "input-x-gradient"]
+    parts: list[ExplainedPartBody] = Field(description="The state's parts, in record order: images, videos, then the text's or JSON's")
+    questions: dict[str, ExplainedQuestionBody] = Field(description="The explained questions, in request order")
+    tokens: list[ExplainedTokenBody] | None = Field(None, description="gradients: the parts' tokens")
+    cost: ExplainCost
+    usage: Usage
 
 
 class ModelEntry(BaseModel):
@@ -162,6 +218,35 @@ WORKERS_AI: dict[str, Any] = {
     },
     "openapi_extra": _REQUEST_BODY,
 }
+EXPLAIN: dict[str, Any] = {
+    "responses": {
+        200: {"model": ExplanationBody, "description": "Each part's contribution to every option of the explained questions"},
+        422: {
+            "model": ValidationErrorBody,
+            "description": "The body is not a valid System One request, or cannot be explained: an unknown question id "
+            "(question_unknown), an empty state (state_empty), a state of one part (state_one_part), more parts than "
+            "max_parts (too_many_parts), a gradient method on an 8-bit model (explain_method_unsupported) or of more than "
+            f"{MOST_PASSES:,} forward and backward passes (explain_too_costly)",
+        },
+        **_errors(ErrorBody, _ERROR_STATUSES),
+    },
+    "openapi_extra": {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": COMPONENTS.format(model="ExplainRequest")}}},
+        }
+    },
+}
+EXPLAIN_RULES = f"""\
+A System One body, with how to explain it (`method`, `depth`, `max_parts`, `steps`, `question_ids`). The state splits
+into parts: each image and video, each field of a JSON state (to `depth` levels), each sentence or line of a text.
+`leave-out` answers the request once with each part left out (the full record's shared prefix computed once);
+`integrated-gradients` and `input-x-gradient` attribute to the input embeddings (Captum; a server of an 8-bit model
+refuses them). A state of more than `max_parts` parts (default {DEFAULT_MAX_PARTS}, at most {MOST_PARTS}), of one
+part or none, or an unknown question id: 422, before inference. The explanation runs on the model worker between
+batches, within the request deadline.
+
+"""
 MODELS: dict[str, Any] = {
     "responses": {
         200: {"model": ModelsBody, "description": "The served name and its aliases"},
@@ -208,9 +293,10 @@ Beyond it:
 """
 
 
-def publish_models(app: FastAPI, request_type: type[BaseModel] = SystemOneRequest) -> None:
+def publish_models(app: FastAPI, request_type: type[BaseModel] = SystemOneRequest, explain_type: type[BaseModel] | None = None) -> None:
     """Make `app.openapi()` carry the request body's schema (and its parts) in its components:
-    `request_type`, the model the routes validate with (its `model` lists the served names)."""
+    `request_type`, the model the routes validate with (its `model` lists the served names), and `explain_type`,
+    /v1/explain's."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -221,6 +307,10 @@ def publish_models(app: FastAPI, request_type: type[BaseModel] = SystemOneReques
             components = schema.setdefault("components", {}).setdefault("schemas", {})
             components.update(request_schema.pop("$defs", {}))
             components["SystemOneRequest"] = request_schema
+            if explain_type is not None:
+                explain_schema = explain_type.model_json_schema(ref_template=COMPONENTS)
+                components.update(explain_schema.pop("$defs", {}))
+                components["ExplainRequest"] = explain_schema
             components["SetBody"] = SetBody.model_json_schema(ref_template=COMPONENTS)
             app.openapi_schema = schema
         return app.openapi_schema

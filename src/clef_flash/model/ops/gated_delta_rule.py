@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..precision import compute_dtype
+from .static_delta_rule import static_chunk_gated_delta_rule
 
 __all__ = [
     "causal_conv1d_silu",
@@ -265,12 +266,22 @@ def gated_delta_rule(
     g: torch.Tensor,
     beta: torch.Tensor,
     initial_state: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The prefill delta rule: fla's chunk kernel on CUDA when installed, else `chunk_gated_delta_rule`.
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The prefill delta rule: fla's chunk kernel on CUDA when installed, else `chunk_gated_delta_rule`; under
+    autograd, a differentiable twin (below; from a zero state it returns no final state).
 
     Same contract as the twins above (q, k already l2-normalised and q scaled, so fla gets scale=1).
     fla is handed q and k repeated to the value heads, as transformers does.
     """
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, g, beta)):
+        # Gradients (explain's token attributions): the chunked form writes into buffers (out=, in place), which
+        # autograd refuses. Whole records from a zero state take the Core ML twin's chunked form (plain ops, as
+        # differentiable as written; it keeps no final state: returned as None), anything else the token-by-token one.
+        if initial_state is not None:
+            return naive_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state)
+        work = compute_dtype(q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype)
+        out = static_chunk_gated_delta_rule(*(x.to(work) for x in (q, k, v, g, beta)))
+        return out.to(v.dtype), None
     kernel = _fla_chunk_kernel() if q.is_cuda else None
     if kernel is None:
         return _in_pieces(q, k, v, g, beta, initial_state)
