@@ -383,3 +383,25 @@ def test_mcp_tool_explain(model, tmp_path):
     assert "method" in listed["explain"].input_schema["properties"]
     assert not good.is_error and len(good.structured_content["parts"]) == 5
     assert bad.is_error and bad.structured_content["detail"][0]["type"] == "state_one_part"
+
+
+def test_under_a_calibration_explain_reads_the_calibrated_probabilities(model, monkeypatch):
+    """With a calibration loaded, the full request's probability in an explanation is the answer's (tempered), and
+    each left-out variant is tempered alike: contributions are of the probabilities a user is shown."""
+    from clef_flash.calibration import Calibration
+
+    request = {"state": JSON_STATE, "questions": QUESTIONS}
+    plain = model.explain(request)
+    monkeypatch.setattr(model, "calibration", Calibration.fitted({None: {"team": 0.5, "urgency": 2.0}}, {}))
+    model.state_cache.clear()
+    answered = model.probabilities(request)
+    tempered_explanation = model.explain(request)
+    for question in tempered_explanation.questions:
+        for option in question.options:
+            assert option.probability == pytest.approx(answered[question.question_id][option.option_id], abs=1e-6)  # the full record run in pieces (its kept states): float rounding
+    team = {option.option_id: option.contributions for question in plain.questions if question.question_id == "team" for option in question.options}
+    tempered_team = {option.option_id: option.contributions for question in tempered_explanation.questions if question.question_id == "team" for option in question.options}
+    assert team != tempered_team  # the temperature changed the contributions
+    refund_plain = [option.contributions for question in plain.questions if question.question_id == "refund" for option in question.options]
+    refund_now = [option.contributions for question in tempered_explanation.questions if question.question_id == "refund" for option in question.options]
+    assert refund_plain == refund_now  # an untempered question: bit for bit

@@ -26,6 +26,9 @@ def run_leave_out(model, job: ExplainJob) -> Explanation:
     started = time.perf_counter()
     with torch.inference_mode():
         results = model.engine.score_branches(job.prepared.record, [variant.record for variant in job.variants], job.shared, timings)
+    if model.calibration is not None:  # the probabilities the answers give: each record's adapter's temperatures
+        records = [job.prepared.record, *(variant.record for variant in job.variants)]
+        results = [model.calibration.apply(record.adapter, per_question) for record, per_question in zip(records, results, strict=True)]
     milliseconds = (time.perf_counter() - started) * 1000
     full, per_part = results[0], results[1:]
 
