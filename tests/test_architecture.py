@@ -189,7 +189,7 @@ def test_the_cli_imports_the_api_not_model_or_checkpoint_internals():
     assert f"{PACKAGE}.loader" in imported and f"{PACKAGE}.server.settings" in imported
 
 
-CLI_LINE_BUDGETS = {"cli": 300, "cli_commands": 450, "cli_options": 200}  # logic belongs to the API, not here
+CLI_LINE_BUDGETS = {"cli": 300, "cli_commands": 460, "cli_options": 200}  # logic belongs to the API, not here (+10: explain, fit-calibration)
 
 
 def test_the_cli_stays_within_its_line_budget():

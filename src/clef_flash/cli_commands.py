@@ -156,8 +156,7 @@ def command_answer(args: argparse.Namespace) -> int:
 def command_explain(args: argparse.Namespace) -> int:
     request = read_request(args)
     model = load_model(args, max_length=args.max_length)
-    options = {name: getattr(args, name) for name in ("method", "depth", "max_parts", "steps", "question_ids")}
-    body = model.explain(request, **options).to_dict()
+    body = model.explain(request, **{name: getattr(args, name) for name in ("method", "depth", "max_parts", "steps", "question_ids")}).to_dict()
     print(json.dumps(body, ensure_ascii=False) if args.json else format_explanation(body, random_weights=model.is_random))
     if args.plot:
         from .plots import explanation_figure, png
@@ -385,8 +384,9 @@ def command_fit_calibration(args: argparse.Namespace) -> int:
         raise ClefError("--fit-calibration fits on the model's own probabilities: leave out --calibration")
     named, args.adapter = named_paths(adapter_options(args.adapter)), None
     model = load_model(args, adapters=named or None)
-    fitting = {"holdout": args.holdout, "seed": args.seed, "min_examples": args.min_examples}
-    calibration, report = fit_calibration(args.file, model, adapters=[None, *named] if named else None, **fitting)
+    calibration, report = fit_calibration(
+        args.file, model, adapters=[None, *named] if named else None, holdout=args.holdout, seed=args.seed, min_examples=args.min_examples
+    )
     calibration.save(args.fit_calibration)
     write_report(args, report, calibration_markdown(report), ("reliability.png", lambda: calibration_figure(report)))
     print(f"wrote the calibration to {args.fit_calibration} (sha256 {calibration.digest[:16]}): answer with --calibration {args.fit_calibration}", file=sys.stderr)
