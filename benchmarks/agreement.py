@@ -174,7 +174,7 @@ def yardstick_paths(root: Path, bundle, module) -> dict:
     emulations: llama.cpp's Q8_0 and Q4_0, the scheme with weight groups of 32, 128 and 256."""
     load = lambda precision: lambda: clef_flash.load(root, device="cpu", precision=precision).logits  # noqa: E731
     return {
-        REFERENCE: lambda: ReferenceModel(module, root, torch.bfloat16).logits,
+        ROWS["reference-bf16"]: lambda: ReferenceModel(module, root, torch.bfloat16).logits,
         ROWS["fp32"]: load("fp32"),
         ROWS["bf16"]: load("bf16"),
         ROWS["int8-weight-only"]: load("int8-weight-only"),

@@ -21,6 +21,7 @@ REFERENCE = "reference bf16"  # the reference's own bf16 path: the yardstick the
 
 # key -> the row's name in the measurement (benchmarks/agreement.py `yardstick_paths` names its rows by these)
 ROWS = {
+    "reference-bf16": REFERENCE,
     "fp32": "ours fp32",
     "bf16": "ours bf16",
     "int8-weight-only": "int8 weight-only",
@@ -52,10 +53,7 @@ def from_results(results: dict[str, Any]) -> dict[str, Any]:
             {"config": run["config"], "seed": run["seed"], "hidden_size": run["hidden_size"], "questions": run["questions"]}
             for run in runs
         ],
-        "reference_bf16": {
-            "flips": [run["rows"][REFERENCE]["decisions_differing"] for run in runs],
-            "median_dp": [run["rows"][REFERENCE]["median_dp"] for run in runs],
-        },
+        "reference_bf16_median_dp": [run["rows"][REFERENCE]["median_dp"] for run in runs],
         "rows": {
             key: {
                 "name": name,
@@ -87,18 +85,25 @@ def _figures(key: str, measured: dict[str, Any]) -> str:
 
 
 def agreement_line(precision: str, activation_bits: int, measured: dict[str, Any] | None = None) -> str | None:
-    """`info`'s line for a default: its row's flips and worst median |dp| ratio per width, beside llama.cpp's formats
-    and the reference bf16's flips; None where the table has no row for it."""
+    """`info`'s line for a default: its row's flips and worst median |dp| ratio per width; None where the table has
+    no row for it."""
     measured = measured or table()
     key = row_key(precision, activation_bits)
     if key is None:
         return None
-    widths = by_width(key, measured)
-    reference = [sum(measured["reference_bf16"]["flips"][i] for i, found in enumerate(measured["sets"]) if found["hidden_size"] == width) for width in widths]
-    at = ", ".join(f"width {width} ({questions} questions)" for width, (_, questions, _) in widths.items())
-    yardsticks = "; ".join(f"{measured['rows'][other]['name'].removesuffix(' (emulated)')} {_figures(other, measured)}" for other in YARDSTICKS)
+    own = ", ".join(
+        f"{flips}{' flips' if index == 0 else ''} / {worst:.2f}x at width {width} ({questions}{' questions' if index == 0 else ''})"
+        for index, (width, (flips, questions, worst)) in enumerate(by_width(key, measured).items())
+    )
+    return f"{measured['rows'][key]['name']}: {own}"
+
+
+def yardsticks_line(measured: dict[str, Any] | None = None) -> str:
+    """`info`'s line under the defaults': llama.cpp's formats and the reference bf16 on the same sets, what x means."""
+    measured = measured or table()
+    yardsticks = "; ".join(f"{measured['rows'][key]['name'].removeprefix('llama.cpp ').removesuffix(' (emulated)')} {_figures(key, measured)}" for key in YARDSTICKS)
+    reference = ", ".join(str(flips) for flips, _, _ in by_width("reference-bf16", measured).values())
     return (
-        f"{measured['rows'][key]['name']}: {_figures(key, measured)} at {at}; {yardsticks}; the reference bf16 "
-        f"{', '.join(str(flips) for flips in reference)} (flips: decisions unlike fp32's / worst median |dp| over the "
-        f"reference bf16's; {measured['source']})"
+        f"llama.cpp at the same widths: {yardsticks}; the reference bf16 {reference} flips (flips: decisions unlike the "
+        f"authors' fp32; x: the worst median |dp| over the reference bf16's; {measured['source']})"
     )
