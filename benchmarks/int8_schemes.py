@@ -102,13 +102,14 @@ def load_emulated(root, levels, weight_levels, rotated, exponent) -> clef_flash.
 
 
 def candidates(root, bundle, module) -> dict:
+    """name -> a function building that row's logits function (agreement.compare builds one row at a time)."""
     rows = {
-        agreement.REFERENCE: agreement.ReferenceModel(module, root, torch.bfloat16).logits,
-        "int8 weight-only (the scheme, release)": clef_flash.load(root, device="cpu", precision="int8-weight-only").logits,
+        agreement.REFERENCE: lambda: agreement.ReferenceModel(module, root, torch.bfloat16).logits,
+        "int8 weight-only (the scheme, release)": lambda: clef_flash.load(root, device="cpu", precision="int8-weight-only").logits,
     }
     for name, ((levels, weight_levels, rotated, exponent), _) in CANDIDATES.items():
         if ONLY is None or name in ONLY:
-            rows[name] = load_emulated(root, levels, weight_levels, rotated, exponent).logits
+            rows[name] = lambda spec=(levels, weight_levels, rotated, exponent): load_emulated(root, *spec).logits
     return rows
 
 

@@ -161,6 +161,6 @@ RAY_ARGUMENTS = (
     arg("--gpus-per-worker", type=non_negative_float, metavar="G", help="GPUs each Ray worker reserves; > 0 runs it on cuda"),
 )
 LOG_LEVELS = ["debug", "info", "warning", "error"]
-RANDOM_NAMES = "tiny, tiny-vision, 9b-heads, 9b-heads-outliers, 9b-part, 9b, 27b-part, 27b"  # checkpoint.RANDOM_CONFIGS (test_cli holds them)
+RANDOM_NAMES = "tiny, tiny-vision, 9b-heads, 9b-heads-outliers, 9b-heads-1024, 9b-part, 9b, 27b-part, 27b"  # checkpoint.RANDOM_CONFIGS (test_cli holds them)
 OVERWRITE = arg("--overwrite", action="store_true", help="replace an existing destination")
 

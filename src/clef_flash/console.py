@@ -103,6 +103,15 @@ def calibration_lines(described: dict[str, Any]) -> list[str]:
     ]
 
 
+def _kinds_by_line(lines: dict[str, str | None]) -> dict[str, list[str]]:
+    """kind -> line (None: none) as line -> the kinds that share it, so equal defaults print once."""
+    shared: dict[str, list[str]] = {}
+    for kind, line in lines.items():
+        if line is not None:
+            shared.setdefault(line, []).append(kind)
+    return shared
+
+
 def format_machine(report: dict[str, Any]) -> str:
     """`clef-flash info`'s lines from machine.py's `report`."""
     here, probe, shape = report["machine"], report["probe"], report["probe"]["shape"]
@@ -117,6 +126,8 @@ def format_machine(report: dict[str, Any]) -> str:
         *(f"W8A8 kernel  {name}: exact here, {note}" for name, note in report["kernel_notes"].items()),
         *(f"W8A8 kernel  {name}: excluded, {why}" for name, why in probe["int8_excluded"].items()),
         *(f"default      {kind}: {value['precision']} ({value['why']})" for kind, value in report["default_precision"].items()),
+        *(f"agreement    {' and '.join(kinds)}: {line}" for line, kinds in _kinds_by_line(report.get("default_agreement", {})).items()),
+        *([f"agreement    {report['agreement_yardsticks']}"] if report.get("agreement_yardsticks") else []),
         *(
             f"on CUDA      {kind}: {value['precision']} ({value['why']}); sequence buckets and CUDA graphs"
             for kind, value in (report.get("cuda_default_precision") or {}).items()

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from .agreement_table import agreement_line, yardsticks_line
 from .checkpoint.quant import quantize_per_channel
 from .checkpoint.rotation import rotate
 from .checkpoint.w8a8 import W8A8_KERNELS, exactness_error
@@ -257,15 +258,19 @@ def describe(machine: Machine, measured: Rates) -> dict:
 
 def report(reprobe: bool = False) -> dict:
     """What `clef-flash info` shows: `describe`, CUDA, and the default precision for a release and a bundle with why
-    (plan.py `defaults`); `reprobe`: measure the rates again instead of reading the cached probe."""
+    (plan.py `defaults`) and its measured agreement beside llama.cpp's formats; `reprobe`: measure the rates again instead of reading the cached probe."""
     here = this_machine()
     if reprobe:
         forget_rates(here)
     measured = rates(here)
+    chosen = defaults(measured)
     return {
         **describe(here, measured),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "default_precision": {kind: {"precision": value.name, "why": value.reason} for kind, value in defaults(measured).items()},
+        "default_precision": {kind: {"precision": value.name, "why": value.reason} for kind, value in chosen.items()},
+        # each default's measured agreement (agreement_table.py; None: not in the table), and llama.cpp's beside it
+        "default_agreement": {kind: agreement_line(value.name, measured.int8_bits) for kind, value in chosen.items()},
+        "agreement_yardsticks": yardsticks_line(),
         "cuda_default_precision": _cuda_defaults(),
         "feature_flags": FEATURE_FLAGS,  # those looked for
         "kernel_notes": {name: kernel_note(name, gops, measured.fp32) for name, gops in measured.kernels.items()},

@@ -171,6 +171,14 @@ RANDOM_CONFIGS: dict[str, RandomConfig] = {
         outlier_channels=3,
         outlier_gain=50.0,
     ),
+    # The 9B per-head sizes on a 1024-wide residual stream (MLP 3072, the 9B's 3x), 4 layers, the real head at 1024:
+    # the int8 schemes' rotation and groups at a wider input than 9b-heads' 256, at a tenth of the 9b-part's cost
+    # (benchmarks/agreement.py --yardsticks).
+    "9b-heads-1024": RandomConfig(
+        "9b-heads-1024",
+        _text(num_hidden_layers=4, hidden_size=1024, intermediate_size=3072),
+        replace(_REAL_HEAD, hidden_size=1024),
+    ),
     # Full 9B layer sizes, 4 layers (one 3×DeltaNet + attention block; ~5.8 GB of bf16), the real head.
     "9b-part": RandomConfig("9b-part", _text(num_hidden_layers=4), _REAL_HEAD),
     # The full Qwen3.5-9B (qwen35.md §1, ~19 GB of bf16), the real head.
