@@ -134,7 +134,7 @@ def w8a8_choice(kernels: dict[str, float], fp32: float, pack_ms: dict[str, float
     """W8A8's kernel among the exact ones (name -> G(OP)/s): the fastest with 8-bit activations that is no reference
     loop, else the fastest (a 7-bit one: W8A8 in mixed digits; a reference loop: too slow for the default); None: none.
     Of those as fast as the fastest (`AS_FAST`), the one that packs its weights fastest (`pack_ms`): the load waits
-    for packing (on AVX2, FBGEMM's took 73% of the 9b-part's load, oneDNN's packs the same weights 4-7x faster)."""
+    for packing (on AVX2, FBGEMM's took 73% of the 9b-part's load, oneDNN's packs the same weights ~8x faster)."""
     if not kernels:
         return None
     eight_bit = [name for name in kernels if W8A8_KERNELS[name].levels == 127 and not is_reference_loop(kernels[name], fp32)]

@@ -25,8 +25,8 @@ kernel as one product of twice the rows, and out = base * P_hi + P_lo: exact int
 
 onednn-u7 hands oneDNN the same integers shifted to unsigned bytes, xq + 63 in [0, 126] with zero point 63 (oneDNN
 subtracts 63 * sum(q) in int32): 126 * 127 * 2 < 32767, so AVX2's pair sums never saturate. Its sums are FBGEMM's to the
-bit, and oneDNN packs a weight 4-7x faster than FBGEMM (a 4096 x 12288 weight under the AVX2 emulation: 84 ms against
-617; benchmarks/pack_time.py), which is most of an AVX2 machine's load.
+bit, and oneDNN packs a weight ~8x faster than FBGEMM (the probe's 4096 x 4096 weight under the AVX2 emulation on Zen 4:
+16 ms against 125; `clef-flash info --json`, probe.int8_pack_ms), and packing is most of an AVX2 machine's load.
 
 FBGEMM quantizes activations itself, per tensor, as u8 with a zero point (`reduce_range`: 0..127). Its
 rounding is made to be ours exactly: each row is scaled to integers in [-63, 63] first, and two extra
@@ -109,9 +109,14 @@ def _onednn_pack(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return torch.ops.onednn.qlinear_prepack(q, None)  # oneDNN's blocked layout for this CPU (opaque)
 
 
+def _onednn_product(x: torch.Tensor, zero_point: int, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """oneDNN's int8 linear: (x - zero_point) [M, I] (int8, or uint8 with a zero point) times the packed weight, fp32 out."""
+    weight_zero_points = torch.zeros(scale.shape[0], dtype=torch.int32)
+    return torch.ops.onednn.qlinear_pointwise(x, 1.0, zero_point, packed, scale, weight_zero_points, None, 1.0, 0, FP32, "none", [], "")
+
+
 def _onednn_multiply(xq: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    zero_points = torch.zeros(scale.shape[0], dtype=torch.int32)
-    return torch.ops.onednn.qlinear_pointwise(xq, 1.0, 0, packed, scale, zero_points, None, 1.0, 0, FP32, "none", [], "")
+    return _onednn_product(xq, 0, packed, scale)
 
 
 UNSIGNED_ZERO = 63  # onednn-u7: the activations xq + 63 in [0, 126] as uint8
@@ -119,11 +124,7 @@ UNSIGNED_ZERO = 63  # onednn-u7: the activations xq + 63 in [0, 126] as uint8
 
 def _onednn_unsigned_multiply(xq: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """xq int8 [M, I] in [-63, 63]: shifted in place to [0, 126] and read as uint8 (the same bits), zero point 63."""
-    unsigned = xq.add_(UNSIGNED_ZERO).view(torch.uint8)
-    zero_points = torch.zeros(scale.shape[0], dtype=torch.int32)
-    return torch.ops.onednn.qlinear_pointwise(
-        unsigned, 1.0, UNSIGNED_ZERO, packed, scale, zero_points, None, 1.0, 0, FP32, "none", [], ""
-    )
+    return _onednn_product(xq.add_(UNSIGNED_ZERO).view(torch.uint8), UNSIGNED_ZERO, packed, scale)
 
 
 FBGEMM_PINS = (-64.0, 63.0)  # the extra activation columns that fix FBGEMM's range: scale 1, zero point 64
